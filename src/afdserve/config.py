@@ -1,0 +1,56 @@
+"""Engine and deployment options; invalid values fail at start-up naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from afdserve.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF model folder; None = the built-in demo model
+    dtype: str = "float32"
+    tokenizer: str | None = None  # defaults to the model folder
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's context length
+    block_size: int = 16
+    kv_cache_gb: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_cache_gb
+    num_threads: int | None = None  # torch threads of this process (None: leave as is)
+    seed: int = 0
+    # deployment (the runtime): expert_workers=0 is the colocated engine in this process
+    attention_workers: int = 1
+    expert_workers: int = 0
+    micro_batches: int = 1
+    gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"invalid {name}={getattr(self, name)!r}: {why}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "attention_workers", "micro_batches"):
+            check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "must be an integer >= 1")
+        check("expert_workers", is_int(self.expert_workers) and self.expert_workers >= 0, "must be an integer >= 0")
+        check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
+              "must be an integer >= 2")
+        check("kv_cache_gb", isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0, "must be > 0")
+        check("num_kv_blocks", self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
+              "must be an integer >= 1")
+        check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
+              "must be an integer >= 1")
+        check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)  # type: ignore[arg-type]

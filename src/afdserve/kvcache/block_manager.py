@@ -1,0 +1,50 @@
+"""Allocation of KV-cache blocks to sequences."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class BlockManager:
+    """A free list of fixed-size blocks; each sequence owns a block table."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self.tables: dict[int, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks still to allocate so that ``seq_id`` can hold ``num_tokens`` tokens."""
+        have = len(self.tables.get(seq_id, ()))
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def can_hold(self, seq_id: int, num_tokens: int) -> bool:
+        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            raise MemoryError(f"KV cache: need {need} blocks, {len(self._free)} free")
+        table = self.tables.setdefault(seq_id, [])
+        table.extend(self._free.popleft() for _ in range(need))
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(self.tables.pop(seq_id, ()))
+
+    def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
+        """Cache slots of token positions [0, num_tokens) of a sequence."""
+        table = torch.tensor(self.tables[seq_id], dtype=torch.int64)
+        pos = torch.arange(num_tokens)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -1,0 +1,161 @@
+"""The two halves of a MoE model: what an attention worker holds and what an expert worker holds.
+
+``AttentionModel`` has the embeddings, every layer's attention part and router (and shared expert),
+the final norm and the LM head. ``ExpertModel`` has, for every layer, the routed experts it was
+given. Each is loaded from the checkpoint reading only its own tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afdserve.errors import ModelError
+from afdserve.kvcache.cache import KVCache
+from afdserve.model.attention import AttentionPart, AttnMetadata
+from afdserve.model.config import ModelConfig
+from afdserve.model.experts import ExpertPart, SharedExpert
+from afdserve.model.layers import RMSNorm, Rotary
+from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.router import Router
+
+
+def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
+    return f"model.layers.{layer}." + ("block_sparse_moe" if cfg.family == "mixtral" else "mlp")
+
+
+class AttentionModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.attn = nn.ModuleList(AttentionPart(cfg, dtype) for _ in range(cfg.num_layers))
+        self.routers = nn.ModuleList(Router(cfg, dtype) for _ in range(cfg.num_layers))
+        self.shared = nn.ModuleList(SharedExpert(cfg, dtype) for _ in range(cfg.num_layers)) if cfg.has_shared_expert else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.requires_grad_(False)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids)
+
+    def pre_moe(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                meta: AttnMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention half of a layer: returns (h, y, topk_ids, topk_weights)."""
+        h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
+        ids, w = self.routers[layer](y)
+        return h, y, ids, w
+
+    def post_moe(self, layer: int, h: torch.Tensor, y: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """Combines the routed experts' output (and the shared expert) into the layer output."""
+        if self.shared is not None:
+            routed = routed + self.shared[layer](y)
+        return h + routed
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.lm_head.weight).float()
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",
+             cfg: ModelConfig | None = None, reader: CheckpointReader | None = None) -> "AttentionModel":
+        cfg = cfg or ModelConfig.from_pretrained(path)
+        dt = parse_dtype(dtype)
+        r = reader or CheckpointReader(path)
+        m = cls(cfg, dt)
+        h, nh, nkv, hd, v = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+        m.embed.weight.copy_(r.get("model.embed_tokens.weight", (v, h), dt))
+        m.norm.weight.copy_(r.get("model.norm.weight", (h,), dt))
+        if "lm_head.weight" in r:
+            m.lm_head.weight.copy_(r.get("lm_head.weight", (v, h), dt))
+        elif cfg.tie_word_embeddings:
+            m.lm_head.weight = m.embed.weight
+        else:
+            raise ModelError(f"{path}: missing tensor 'lm_head.weight'")
+        for l in range(cfg.num_layers):
+            p, a = f"model.layers.{l}.", m.attn[l]
+            q = r.get(p + "self_attn.q_proj.weight", (nh * hd, h), dt)
+            k = r.get(p + "self_attn.k_proj.weight", (nkv * hd, h), dt)
+            vv = r.get(p + "self_attn.v_proj.weight", (nkv * hd, h), dt)
+            a.qkv.weight.copy_(torch.cat([q, k, vv]))
+            if cfg.qkv_bias:
+                a.qkv.bias.copy_(torch.cat([
+                    r.get(p + "self_attn.q_proj.bias", (nh * hd,), dt),
+                    r.get(p + "self_attn.k_proj.bias", (nkv * hd,), dt),
+                    r.get(p + "self_attn.v_proj.bias", (nkv * hd,), dt),
+                ]))
+            a.o_proj.weight.copy_(r.get(p + "self_attn.o_proj.weight", (h, nh * hd), dt))
+            a.input_norm.weight.copy_(r.get(p + "input_layernorm.weight", (h,), dt))
+            a.post_norm.weight.copy_(r.get(p + "post_attention_layernorm.weight", (h,), dt))
+            if cfg.qk_norm:
+                a.q_norm.weight.copy_(r.get(p + "self_attn.q_norm.weight", (hd,), dt))
+                a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
+            moe = _moe_prefix(cfg, l)
+            m.routers[l].weight.copy_(r.get(moe + ".gate.weight", (cfg.num_experts, h), dt))
+            if m.shared is not None:
+                s, i = m.shared[l], cfg.shared_expert_intermediate_size
+                s.w_gate_up.copy_(torch.cat([
+                    r.get(moe + ".shared_expert.gate_proj.weight", (i, h), dt),
+                    r.get(moe + ".shared_expert.up_proj.weight", (i, h), dt),
+                ]))
+                s.w_down.copy_(r.get(moe + ".shared_expert.down_proj.weight", (h, i), dt))
+                s.gate.copy_(r.get(moe + ".shared_expert_gate.weight", (1, h), dt))
+        return m
+
+
+class ExpertModel(nn.Module):
+    """The routed experts ``expert_ids[layer]`` of every layer (logical ids)."""
+
+    def __init__(self, cfg: ModelConfig, expert_ids: Sequence[Sequence[int]], dtype: torch.dtype):
+        super().__init__()
+        if len(expert_ids) != cfg.num_layers:
+            raise ModelError(f"expert_ids has {len(expert_ids)} layers, model has {cfg.num_layers}")
+        self.cfg, self.dtype = cfg, dtype
+        self.layers = nn.ModuleList(ExpertPart(cfg, ids, dtype) for ids in expert_ids)
+        self.requires_grad_(False)
+
+    @classmethod
+    def load(cls, path: str | Path, expert_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+             dtype: str | torch.dtype = "float32", cfg: ModelConfig | None = None,
+             reader: CheckpointReader | None = None) -> "ExpertModel":
+        """Loads experts ``expert_ids`` (the same for every layer, or a list per layer; None = all)."""
+        cfg = cfg or ModelConfig.from_pretrained(path)
+        dt = parse_dtype(dtype)
+        if expert_ids is None:
+            expert_ids = list(range(cfg.num_experts))
+        per_layer = [list(x) for x in expert_ids] if expert_ids and isinstance(expert_ids[0], (list, tuple)) \
+            else [list(expert_ids)] * cfg.num_layers
+        for ids in per_layer:
+            bad = [e for e in ids if not 0 <= e < cfg.num_experts]
+            if bad:
+                raise ModelError(f"expert ids {bad} out of range 0..{cfg.num_experts - 1}")
+        r = reader or CheckpointReader(path)
+        m = cls(cfg, per_layer, dt)
+        for l, part in enumerate(m.layers):
+            for j, e in enumerate(part.expert_ids):
+                gate_up, down = read_expert(r, cfg, l, e, dt)
+                part.w_gate_up[j].copy_(gate_up)
+                part.w_down[j].copy_(down)
+        return m
+
+
+def read_expert(r: CheckpointReader, cfg: ModelConfig, layer: int, expert: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads one routed expert's ([2I, H] gate+up, [H, I] down) in any supported layout."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    moe = _moe_prefix(cfg, layer)
+    p = f"{moe}.experts.{expert}."
+    if cfg.family == "mixtral" and p + "w1.weight" in r:
+        gate, up, down = p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    elif p + "gate_proj.weight" in r:
+        gate, up, down = p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+    elif f"{moe}.experts.gate_up_proj" in r:  # fused layout (transformers >= 5 in-memory naming)
+        return (r.get_rows(f"{moe}.experts.gate_up_proj", expert, (2 * i, h), dtype),
+                r.get_rows(f"{moe}.experts.down_proj", expert, (h, i), dtype))
+    else:
+        raise ModelError(f"{r.path}: missing tensors of expert {expert} in layer {layer} (looked for {p}*)")
+    return (torch.cat([r.get(gate, (i, h), dtype), r.get(up, (i, h), dtype)]), r.get(down, (h, i), dtype))
