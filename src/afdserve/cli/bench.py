@@ -1,0 +1,27 @@
+"""``afdserve bench <what>``: the benchmarks that ship with the package."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"m2n": "afdserve.comm.bench", "serve": "afdserve.serving.bench"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="run a benchmark", description="Benchmarks: " + ", ".join(BENCHES))
+    inner = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, module in BENCHES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("afdserve"):
+                continue
+            raise
+        q = mod.add_parser(inner)
+        q.set_defaults(bench_func=mod.main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(args.bench_func(args) or 0)

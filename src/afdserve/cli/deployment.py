@@ -1,0 +1,38 @@
+"""Command-line flags shared by every command that starts a deployment."""
+
+from __future__ import annotations
+
+import argparse
+
+from afdserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in demo model)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory per attention worker")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
+    d = p.add_argument_group("deployment")
+    d.add_argument("--attention-workers", type=int, default=1, help="attention workers (data parallel)")
+    d.add_argument("--expert-workers", type=int, default=0, help="expert workers (expert parallel); 0 = colocated")
+    d.add_argument("--micro-batches", type=int, default=1, help="micro-batches of the ping-pong pipeline")
+    d.add_argument("--gate", default="attention", choices=["attention", "expert"],
+                   help="where the router runs: attention side (MegaScale-Infer) or expert side (JANUS)")
+
+
+def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
+    kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
+              attention_workers=args.attention_workers, expert_workers=args.expert_workers,
+              micro_batches=args.micro_batches, gate=args.gate)
+    for name in ("trace",):
+        if hasattr(args, name):
+            kw[name] = getattr(args, name)
+    kw.update(extra)
+    return EngineConfig.from_kwargs(**kw)
