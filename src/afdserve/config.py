@@ -25,6 +25,11 @@ class EngineConfig:
     expert_workers: int = 0
     micro_batches: int = 1
     gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
+    expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
+    comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
+    comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer once a step has started
+    startup_timeout_s: float = 300.0
+    trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:
@@ -46,6 +51,12 @@ class EngineConfig:
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")
+        check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
+        check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
+              "must be > 0")
+        check("expert_split", self.expert_split is None or (len(self.expert_split) == self.expert_workers
+              and all(is_int(n) and n >= 1 for n in self.expert_split)),
+              "one count >= 1 per expert worker")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

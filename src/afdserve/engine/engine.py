@@ -26,6 +26,36 @@ from afdserve.kvcache.block_manager import BlockManager
 from afdserve.model.attention import AttnMetadata
 
 
+def validate_prompt(prompt: str | dict | list[int], tok: TokenizerInfo | None, vocab: int,
+                    max_model_len: int) -> tuple[str | None, list[int]]:
+    """Checks a prompt and returns (text, token ids); raises RequestError naming the problem."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise RequestError("a dict prompt needs 'prompt_token_ids'")
+        text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("empty prompt")
+        if tok is None:
+            raise RequestError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+        text, ids = prompt, tok.encode(prompt)
+    elif isinstance(prompt, list):
+        text, ids = None, prompt
+    else:
+        raise RequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    ids = list(ids)
+    if not ids:
+        raise RequestError("empty prompt")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens; the model's context is {max_model_len} tokens "
+            f"(prompt + at least one generated token must fit)"
+        )
+    return text, ids
+
+
 @dataclass
 class StepStats:
     num_seqs: int = 0
@@ -47,33 +77,7 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        """Validates a prompt and returns (text, token ids); raises RequestError."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise RequestError("a dict prompt needs 'prompt_token_ids'")
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("empty prompt")
-            if self.tok is None:
-                raise RequestError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tok.encode(prompt)
-        elif isinstance(prompt, list):
-            text, ids = None, prompt
-        else:
-            raise RequestError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        ids = list(ids)
-        if not ids:
-            raise RequestError("empty prompt")
-        vocab = self.runner.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
-                f"(prompt + at least one generated token must fit)"
-            )
-        return text, ids
+        return validate_prompt(prompt, self.tok, self.runner.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | dict | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -106,7 +110,7 @@ class Engine:
         if not batch:
             self.last_step = StepStats()
             return []
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new[i] != 1)  # decodes first
+        order = range(len(batch))
         input_ids: list[int] = []
         kv_slots, qlens, rows, sampled = [], [], [], []
         for i in order:
@@ -132,7 +136,8 @@ class Engine:
                 if seq.finish_reason is not None:
                     self.scheduler.finish(seq)
                     del self.seqs[seq.request_id]
-        self.last_step = StepStats(len(batch), batch.num_tokens, meta.num_decode, time.perf_counter() - t0)
+        num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
+        self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - t0)
         return outs
 
     def _append(self, seq: Sequence, tok: int) -> None:

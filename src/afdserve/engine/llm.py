@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from afdserve.config import EngineConfig
 from afdserve.engine.outputs import RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
-from afdserve.errors import RequestError
+from afdserve.errors import RequestError, WorkerError
 
 Prompt = str | dict[str, Any]
 
@@ -48,6 +48,8 @@ class LLM:
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
+                    if out.error:
+                        raise WorkerError(f"request {out.request_id} failed: {out.error}")
                     if out.finished:
                         done[out.request_id] = out
         except BaseException:

@@ -17,7 +17,8 @@ class AttnMetadata:
     """Where the tokens of a flat batch go in the paged KV cache and what they attend to.
 
     The batch is the concatenation of each sequence's new tokens (``query_lens``); after this
-    step sequence ``i`` has ``kv_lens[i]`` tokens in the cache.
+    step sequence ``i`` has ``kv_lens[i]`` tokens in the cache. Sequences with one new token
+    (decodes) are attended in one batched call; the others one by one.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -25,7 +26,7 @@ class AttnMetadata:
     query_lens: list[int]
     kv_lens: list[int]
     kv_slots: list[torch.Tensor]  # per sequence: [kv_len] cache slots of its whole context
-    num_decode: int = 0  # the first num_decode sequences have query_len == 1 (batched path)
+    decode_rows: torch.Tensor | None = None  # token rows of the query_len == 1 sequences
     decode_slots: torch.Tensor | None = None  # [num_decode, max_kv] padded slots
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_kv] bool, True where attended
 
@@ -36,29 +37,24 @@ class AttnMetadata:
     @staticmethod
     def build(query_lens: list[int], kv_slots: list[torch.Tensor]) -> "AttnMetadata":
         """``kv_slots[i]``: cache slots of all tokens of sequence i after this step; its last
-        ``query_lens[i]`` tokens are the new ones (sequences with query_len 1 must come first)."""
+        ``query_lens[i]`` tokens are the new ones."""
         kv_lens = [int(s.shape[0]) for s in kv_slots]
         positions = torch.cat([torch.arange(k - q, k) for q, k in zip(query_lens, kv_lens)])
         slot_mapping = torch.cat([s[k - q :] for s, q, k in zip(kv_slots, query_lens, kv_lens)])
-        num_decode = 0
-        while num_decode < len(query_lens) and query_lens[num_decode] == 1:
-            num_decode += 1
-        if any(q == 1 for q in query_lens[num_decode:]):
-            raise ValueError("sequences with query_len 1 must come first")
-        decode_slots = decode_mask = None
-        if num_decode:
-            max_kv = max(kv_lens[:num_decode])
-            decode_slots = torch.zeros(num_decode, max_kv, dtype=torch.int64)
-            decode_mask = torch.zeros(num_decode, 1, 1, max_kv, dtype=torch.bool)
-            for i in range(num_decode):
-                decode_slots[i, : kv_lens[i]] = kv_slots[i]
-                decode_mask[i, ..., : kv_lens[i]] = True
-        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots),
-                            num_decode, decode_slots, decode_mask)
-
-    def split(self, bounds: list[tuple[int, int]]) -> list["AttnMetadata"]:
-        """Metadata of the sequence ranges [start, end) (micro-batches)."""
-        return [AttnMetadata.build(self.query_lens[s:e], self.kv_slots[s:e]) for s, e in bounds]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        dec = [i for i, q in enumerate(query_lens) if q == 1]
+        rows = slots = mask = None
+        if dec:
+            max_kv = max(kv_lens[i] for i in dec)
+            rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64)
+            slots = torch.zeros(len(dec), max_kv, dtype=torch.int64)
+            mask = torch.zeros(len(dec), 1, 1, max_kv, dtype=torch.bool)
+            for j, i in enumerate(dec):
+                slots[j, : kv_lens[i]] = kv_slots[i]
+                mask[j, ..., : kv_lens[i]] = True
+        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows, slots, mask)
 
 
 class AttentionPart(nn.Module):
@@ -96,14 +92,16 @@ class AttentionPart(nn.Module):
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
-        outs, start = [], meta.num_decode
-        if meta.num_decode:
-            keys = k_cache[meta.decode_slots].transpose(1, 2)  # [S, nkv, L, hd]
-            vals = v_cache[meta.decode_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:start, :, None, :], keys, vals, attn_mask=meta.decode_mask,
-                                               scale=self.scale, enable_gqa=True)
-            outs.append(o[:, :, 0, :])
-        for qlen, slots in zip(meta.query_lens[meta.num_decode :], meta.kv_slots[meta.num_decode :]):
+        if meta.decode_rows is not None and meta.decode_rows.shape[0] == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta)  # pure decode batch
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
+        start = 0
+        for qlen, slots in zip(meta.query_lens, meta.kv_slots):
+            if qlen == 1:
+                start += 1
+                continue
             qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, nh, q, hd]
             keys = k_cache[slots].transpose(0, 1)[None]
             vals = v_cache[slots].transpose(0, 1)[None]
@@ -115,6 +113,14 @@ class AttentionPart(nn.Module):
                 mask = torch.ones(qlen, kv_len, dtype=torch.bool).tril(kv_len - qlen)
                 o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=self.scale,
                                                    enable_gqa=True)
-            outs.append(o[0].transpose(0, 1))
+            out[start : start + qlen] = o[0].transpose(0, 1)
             start += qlen
-        return torch.cat(outs, dim=0)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttnMetadata) -> torch.Tensor:
+        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [S, nkv, L, hd]
+        vals = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=meta.decode_mask,
+                                           scale=self.scale, enable_gqa=True)
+        return o[:, :, 0, :]

@@ -25,7 +25,8 @@ class ExpertPart(nn.Module):
         n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size
         self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype), requires_grad=False)
-        local = torch.full((cfg.num_experts,), -1, dtype=torch.int64)
+        # logical id -> index in this part; id num_experts marks "routed to another worker"
+        local = torch.full((cfg.num_experts + 1,), -1, dtype=torch.int64)
         for j, e in enumerate(self.expert_ids):
             local[e] = j
         self.register_buffer("local_index", local, persistent=False)

@@ -24,8 +24,12 @@ from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.router import Router
 
 
-def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
-    return f"model.layers.{layer}." + ("block_sparse_moe" if cfg.family == "mixtral" else "mlp")
+def _moe_prefix(cfg: ModelConfig, layer: int, reader: CheckpointReader | None = None) -> str:
+    """``model.layers.N.block_sparse_moe`` (Mixtral's classic layout) or ``model.layers.N.mlp``."""
+    classic = f"model.layers.{layer}.block_sparse_moe"
+    if cfg.family == "mixtral" and (reader is None or f"{classic}.gate.weight" in reader):
+        return classic
+    return f"model.layers.{layer}.mlp"
 
 
 class AttentionModel(nn.Module):
@@ -94,7 +98,7 @@ class AttentionModel(nn.Module):
             if cfg.qk_norm:
                 a.q_norm.weight.copy_(r.get(p + "self_attn.q_norm.weight", (hd,), dt))
                 a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
-            moe = _moe_prefix(cfg, l)
+            moe = _moe_prefix(cfg, l, r)
             m.routers[l].weight.copy_(r.get(moe + ".gate.weight", (cfg.num_experts, h), dt))
             if m.shared is not None:
                 s, i = m.shared[l], cfg.shared_expert_intermediate_size
@@ -147,7 +151,7 @@ def read_expert(r: CheckpointReader, cfg: ModelConfig, layer: int, expert: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Reads one routed expert's ([2I, H] gate+up, [H, I] down) in any supported layout."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    moe = _moe_prefix(cfg, layer)
+    moe = _moe_prefix(cfg, layer, r)
     p = f"{moe}.experts.{expert}."
     if cfg.family == "mixtral" and p + "w1.weight" in r:
         gate, up, down = p + "w1.weight", p + "w3.weight", p + "w2.weight"
