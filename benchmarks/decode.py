@@ -1,0 +1,117 @@
+"""Decode throughput and time per output token, afdserve (colocated) against transformers.generate.
+
+Both run the same checkpoint (the demo model by default) in this process, with the same thread
+count, the same prompts and greedy decoding. Time per output token (TPOT) is measured as
+(time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
+
+    python benchmarks/decode.py [--model PATH] [--batch-sizes 1,2,4,...] [--json out/decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+import torch
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def _time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_afdserve(llm, prompts, n: int, repeats: int) -> tuple[float, float]:
+    from afdserve import SamplingParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(k: int):
+        return lambda: llm.generate(inputs, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+
+    return _time(run(1), repeats), _time(run(n), repeats)
+
+
+def bench_hf(model, prompts, n: int, repeats: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def run(k: int):
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
+                                      do_sample=False, pad_token_id=0)
+
+    with torch.inference_mode():
+        return _time(run(1), repeats), _time(run(n), repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the demo model)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--json", default="out/decode.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    from afdserve import LLM
+    from afdserve.engine.builder import resolve_model
+
+    path = resolve_model(args.model)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=max(64, max(map(int, args.batch_sizes.split(",")))))
+    vocab = llm.engine.runner.vocab_size
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+    warm = _prompts(2, args.prompt_len, vocab, seed=1)  # first calls pay one-off costs
+    bench_afdserve(llm, warm, 4, 1)
+    if hf is not None:
+        bench_hf(hf, warm, 4, 1)
+    rows = []
+    print(f"model {path}  threads {args.threads}  prompt {args.prompt_len}  new tokens {args.max_tokens}")
+    print(f"{'batch':>5} | {'afdserve tok/s':>14} {'TPOT ms':>8} | {'HF tok/s':>9} {'TPOT ms':>8} | {'speed-up':>8}")
+    for b in map(int, args.batch_sizes.split(",")):
+        prompts = _prompts(b, args.prompt_len, vocab)
+        t1, tn = bench_afdserve(llm, prompts, args.max_tokens, args.repeats)
+        ours_tpot = (tn - t1) / (args.max_tokens - 1)
+        row = {"batch": b, "afdserve_tpot_ms": ours_tpot * 1e3, "afdserve_decode_tok_s": b / ours_tpot}
+        if hf is not None:
+            h1, hn = bench_hf(hf, prompts, args.max_tokens, args.repeats)
+            hf_tpot = (hn - h1) / (args.max_tokens - 1)
+            row.update(hf_tpot_ms=hf_tpot * 1e3, hf_decode_tok_s=b / hf_tpot, speedup=hf_tpot / ours_tpot)
+        rows.append(row)
+        print(f"{b:>5} | {row['afdserve_decode_tok_s']:>14.1f} {row['afdserve_tpot_ms']:>8.2f} | "
+              f"{row.get('hf_decode_tok_s', float('nan')):>9.1f} {row.get('hf_tpot_ms', float('nan')):>8.2f} | "
+              f"{row.get('speedup', float('nan')):>7.2f}x")
+    llm.shutdown()
+    if args.json:
+        import os
+
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                                   "torch": torch.__version__},
+                       "model": str(path), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                       "results": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The local cluster: a disaggregated deployment as worker processes on this machine.
+
+The front end (this object, in the caller's process) validates and tokenizes requests, assigns
+each to an attention worker, and gathers outputs. Workers talk to each other over the M2N
+library; the front end talks to them over control pipes. Workers die with their parent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import time
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from afdserve.config import EngineConfig
+from afdserve.engine.engine import validate_prompt
+from afdserve.engine.outputs import RequestOutput
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.errors import RequestError, WorkerError
+from afdserve.model.config import ModelConfig
+from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.launcher import Launched, spawn_worker, start_store
+from afdserve.runtime.trace import write_chrome_trace
+from afdserve.runtime.workers import WorkerSpec
+
+
+class LocalCluster:
+    """Engine-shaped front end (tokenize / add_request / step / abort / has_unfinished / shutdown)
+    over n_a attention workers and n_e expert workers."""
+
+    def __init__(self, cfg: EngineConfig, launch: Any = None):
+        from afdserve.engine.builder import context_len, resolve_model
+
+        self.cfg = cfg
+        path = resolve_model(cfg.model)
+        self.model_cfg = ModelConfig.from_pretrained(path)
+        self.max_model_len = context_len(cfg, self.model_cfg)
+        self.tok = load_tokenizer(Path(cfg.tokenizer) if cfg.tokenizer else path, self.model_cfg.eos_token_ids)
+        n_e = cfg.expert_workers
+        if n_e < 1:
+            raise WorkerError("a cluster needs at least one expert worker (expert_workers=0 is the colocated engine)")
+        self.expert_map = ExpertMap.contiguous(self.model_cfg.num_layers, self.model_cfg.num_experts, n_e,
+                                               cfg.expert_split)
+        self.group = f"{os.getpid()}_{secrets.token_hex(3)}"
+        self._store = start_store()
+        specs = [WorkerSpec("attention", i, cfg, str(path), self.expert_map, self._store.addr, self.group,
+                            trace=bool(cfg.trace)) for i in range(cfg.attention_workers)]
+        specs += [WorkerSpec("expert", j, cfg, str(path), self.expert_map, self._store.addr, self.group,
+                             trace=bool(cfg.trace)) for j in range(n_e)]
+        self.workers: dict[str, Launched] = {}
+        self.failed: str | None = None
+        self.owner: dict[str, str] = {}  # request id -> attention worker
+        self.load: dict[str, int] = {}  # attention worker -> outstanding requests
+        self.stats: dict[str, dict] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        launch = launch or spawn_worker
+        try:
+            for s in specs:
+                self.workers[s.name] = launch(s)
+            self._wait_ready(cfg.startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.attention = [s.name for s in specs if s.role == "attention"]
+        self.load = {a: 0 for a in self.attention}
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _wait_ready(self, timeout: float) -> None:
+        pending = set(self.workers)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"workers {sorted(pending)} did not start within {timeout:.0f} s")
+            conns = {self.workers[n].conn: n for n in pending}
+            for r in wait(list(conns), timeout=left):
+                name = conns[r]
+                w = self.workers[name]
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    w.process.wait(5)
+                    raise WorkerError(f"{name} (pid {w.pid}) exited during start-up with code {w.exitcode()}")
+                if msg[0] == "ready":
+                    pending.discard(name)
+                elif msg[0] == "crash":
+                    raise WorkerError(f"{name} failed to start: {msg[2]}\n{msg[3]}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.cfg.trace and self.workers and not self.failed:
+            try:
+                self.write_trace(self.cfg.trace)
+            except Exception:
+                pass
+        for w in self.workers.values():  # attention workers first: they stop sending
+            w.send(("stop",))
+        for w in self.workers.values():
+            w.join(5.0)
+        self._store.close()
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        return validate_prompt(prompt, self.tok, self.model_cfg.vocab_size, self.max_model_len)
+
+    def add_request(self, prompt: str | dict | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        text, ids = self.tokenize(prompt)
+        rid = request_id if request_id is not None else f"c{next(self._ids)}"
+        if rid in self.owner:
+            raise RequestError(f"duplicate request id {rid!r}")
+        if self.failed:
+            raise WorkerError(f"deployment failed: {self.failed}")
+        target = min(self.attention, key=lambda a: self.load[a])  # least outstanding requests
+        self.owner[rid] = target
+        self.load[target] += 1
+        self.workers[target].send(("add", rid, ids, text, params or SamplingParams()))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        target = self.owner.pop(request_id, None)
+        if target is not None:
+            self.load[target] -= 1
+            self.workers[target].send(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.owner)
+
+    def step(self, timeout: float = 1.0) -> list[RequestOutput]:
+        """Outputs that arrived (waits up to ``timeout`` for the first)."""
+        outs: list[RequestOutput] = []
+        conns = {w.conn: n for n, w in self.workers.items() if not w.dead}
+        for r in wait(list(conns), timeout=timeout):
+            name = conns[r]
+            w = self.workers[name]
+            while not w.dead and w.conn.poll(0):
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):  # the process is gone
+                    try:
+                        w.process.wait(0.2)
+                    except Exception:
+                        pass
+                    outs += self._worker_died(name, f"{name} (pid {w.pid}) died (exit code {w.exitcode()})")
+                    break
+                outs += self._handle(name, msg)
+        return outs
+
+    def _handle(self, name: str, msg: tuple) -> list[RequestOutput]:
+        kind = msg[0]
+        if kind == "out":
+            self.stats[name] = msg[2]
+            for o in msg[1]:
+                if o.finished and self.owner.pop(o.request_id, None) is not None:
+                    self.load[name] -= 1
+            return [o for o in msg[1]]
+        if kind in ("failed", "crash"):
+            return self._worker_died(name if kind == "crash" else None, msg[2])
+        if kind == "stats":
+            self.stats[msg[1]] = msg[2]
+        return []
+
+    def _worker_died(self, name: str | None, reason: str) -> list[RequestOutput]:
+        """Fails every in-flight request with an error naming the failed worker."""
+        if self.failed is None:
+            self.failed = reason
+        outs = []
+        for rid in list(self.owner):
+            self.owner.pop(rid)
+            outs.append(RequestOutput(rid, None, [], [], finished=True, error=f"worker failure: {reason}"))
+        self.load = {a: 0 for a in self.load}
+        if name is not None and name in self.workers:
+            self.workers[name].dead = True
+        return outs
+
+    # ---- introspection --------------------------------------------------------------------
+    def collect(self, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Asks every live worker for its ``trace`` or ``stats``."""
+        live = {n: w for n, w in self.workers.items() if not w.dead}
+        for tid, (n, w) in enumerate(sorted(live.items())):
+            w.send((kind, tid) if kind == "trace" else (kind,))
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(live) and time.monotonic() < deadline:
+            for r in wait([w.conn for w in live.values()], timeout=0.1):
+                n = next(k for k, w in live.items() if w.conn is r)
+                msg = r.recv()
+                if msg[0] == kind:
+                    got[msg[1]] = msg[2]
+                else:
+                    self._handle(n, msg)
+        return got
+
+    def write_trace(self, path: str) -> None:
+        write_chrome_trace(path, self.collect("trace"))

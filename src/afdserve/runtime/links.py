@@ -1,0 +1,82 @@
+"""A worker's M2N links to its peers of the other role, over ``afdserve.comm``.
+
+Peers are addressed by index (expert worker j, attention worker i); payload tensors travel in
+registered slots and arrive as views that the caller releases.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from afdserve.comm import CommConfig, Communicator, Message, Meta, PeerError, PeerTimeoutError
+
+if TYPE_CHECKING:
+    from afdserve.runtime.workers import WorkerSpec
+
+PeerFailure = PeerError  # a peer died, closed or stalled past the deadline; the message names it
+
+
+def slot_bytes(spec: "WorkerSpec") -> int:
+    """Largest payload of one message: every token of a step's micro-batch with its hidden state
+    (float32 at most) plus top-k ids and weights; with 64-byte alignment slack per tensor."""
+    from afdserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(spec.model_path)
+    tokens = spec.config.max_num_batched_tokens
+    return tokens * (cfg.hidden_size * 4 + cfg.top_k * 8) + 4 * 64
+
+
+class Links:
+    def __init__(self, comm: Communicator, peers: Sequence[str]):
+        self.comm, self.peers = comm, list(peers)
+
+    @classmethod
+    def connect(cls, spec: "WorkerSpec", peers: Sequence[str]) -> "Links":
+        from torch.distributed import TCPStore
+
+        store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
+        cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max(4, spec.config.micro_batches + 1),
+                         transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
+                         connect_timeout_s=spec.config.startup_timeout_s, **spec.comm)
+        comm = Communicator(spec.name, store, cfg, group=spec.group)
+        comm.connect(send_to=peers, recv_from=peers)
+        return cls(comm, peers)
+
+    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
+        step, mb, layer, tag = meta
+        self.comm.send(self.peers[peer], tensors, Meta(step=step, microbatch=mb, layer=layer,
+                                                       num_tokens=tensors[0].shape[0], tag=tag))
+
+    def recv(self, peer: int, timeout: float) -> Message:
+        return self.comm.recv(self.peers[peer], timeout=timeout)
+
+    def gather(self, timeout: float) -> list[tuple[int, Message]]:
+        """Waits up to ``timeout`` for a first message, then takes the messages other peers have
+        already delivered: one per peer (empty list when nothing came)."""
+        try:
+            first = self.comm.recv_any(self.peers, timeout=timeout)
+        except PeerTimeoutError:
+            return []
+        got = [(self.peers.index(first.peer), first)]
+        for i, name in enumerate(self.peers):
+            if name == first.peer:
+                continue
+            try:
+                got.append((i, self.comm.recv(name, timeout=0.0)))
+            except PeerTimeoutError:
+                pass
+        return got
+
+    def transport(self, peer: int) -> str:
+        return self.comm.transport(self.peers[peer])
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

@@ -1,0 +1,99 @@
+"""The attention side of the ping-pong pipeline.
+
+The batch is split into m micro-batches. In every layer, micro-batch i's MoE input is dispatched to
+the expert workers, and while they compute it the attention worker computes micro-batch i+1; the
+experts' partial sums come back and are combined (with the shared expert) into the layer output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.kvcache.cache import KVCache
+from afdserve.model.attention import AttnMetadata
+from afdserve.model.model import AttentionModel
+from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.links import Links
+from afdserve.runtime.microbatch import rows_in, split
+from afdserve.runtime.trace import Tracer
+
+GATE_ATTENTION, GATE_EXPERT = 0, 1
+
+
+@dataclass
+class _InFlight:
+    h: torch.Tensor
+    y: torch.Tensor
+    parts: list[tuple[int, torch.Tensor | None]]  # (expert worker, token rows it got; None = all)
+
+
+class PipelinedRunner:
+    def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
+                 micro_batches: int, gate: str, tracer: Tracer, timeout_s: float):
+        self.model, self.kv, self.links, self.map = model, kv, links, expert_map
+        self.m, self.gate = micro_batches, GATE_EXPERT if gate == "expert" else GATE_ATTENTION
+        self.tracer, self.timeout = tracer, timeout_s
+        self.vocab_size = model.cfg.vocab_size
+        self.step_no = 0
+        self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
+        m, tr = self.model, self.tracer
+        self.step_no += 1
+        mbs = split(meta, self.m)
+        x = [m.embed_tokens(input_ids[mb.rows]) for mb in mbs]
+        cos_sin = [m.rotary.cos_sin(mb.meta.positions, m.dtype) for mb in mbs]
+        flight: list[_InFlight | None] = [None] * len(mbs)
+        for layer in range(m.cfg.num_layers):
+            for i, mb in enumerate(mbs):
+                if layer > 0:
+                    x[i] = self._combine(i, layer - 1, flight[i])
+                with tr.span("attention", mb=i, layer=layer, tokens=mb.meta.num_tokens):
+                    h, y, ids, w = m.pre_moe(layer, x[i], cos_sin[i], mb.meta, self.kv)
+                flight[i] = self._dispatch(i, layer, h, y, ids, w)
+        for i in range(len(mbs)):
+            x[i] = self._combine(i, m.cfg.num_layers - 1, flight[i])
+        local_rows = rows_in(mbs, rows)
+        return torch.cat([m.logits(x[i][r]) for i, r in enumerate(local_rows)])
+
+    def _dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
+                  w: torch.Tensor) -> _InFlight:
+        parts: list[tuple[int, torch.Tensor | None]] = []
+        n_exp = self.model.cfg.num_experts
+        with self.tracer.span("send", mb=mb, layer=layer):
+            if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
+                for j in range(self.map.num_workers):
+                    self.links.send(j, [y], (self.step_no, mb, layer, GATE_EXPERT))
+                    parts.append((j, None))
+                self.tokens_per_worker += y.shape[0]
+                return _InFlight(h, y, parts)
+            owner = self.map.route(layer, ids)
+            for j in range(self.map.num_workers):
+                mine = owner == j
+                tokens = mine.any(dim=1).nonzero().squeeze(1)
+                if tokens.numel() == 0:
+                    continue  # nothing for this worker: no message, no wait
+                sub_ids = torch.where(mine[tokens], ids[tokens], n_exp).to(torch.int32)
+                self.links.send(j, [y[tokens], sub_ids, w[tokens]], (self.step_no, mb, layer, GATE_ATTENTION))
+                self.tokens_per_worker[j] += tokens.numel()
+                parts.append((j, tokens))
+        return _InFlight(h, y, parts)
+
+    def _combine(self, mb: int, layer: int, f: _InFlight) -> torch.Tensor:
+        routed = torch.zeros_like(f.y)
+        for j, tokens in f.parts:
+            with self.tracer.span("wait", mb=mb, layer=layer, peer=j):
+                msg = self.links.recv(j, self.timeout)
+            try:
+                part = msg.tensors[0]
+                if tokens is None:
+                    routed += part
+                else:
+                    routed.index_add_(0, tokens, part)
+            finally:
+                msg.release()
+        with self.tracer.span("attention", mb=mb, layer=layer, phase="combine"):
+            return self.model.post_moe(layer, f.h, f.y, routed)

@@ -1,0 +1,249 @@
+"""The two worker roles. Each is a plain class with a ``serve`` loop driven by a control channel,
+so the same classes run as local processes (``runtime.cluster``) or as Ray actors.
+
+Attention worker: holds the attention weights and the KV cache of its own requests, runs its
+share of the scheduler and the router, and drives the ping-pong pipeline.
+Expert worker: holds its experts of every layer; gathers each layer's tokens from all attention
+workers, runs each expert once over them and sends the partial sums back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from afdserve.config import EngineConfig
+from afdserve.engine.builder import build_attention_engine
+from afdserve.engine.outputs import CompletionOutput, RequestOutput
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.model import AttentionModel, ExpertModel, _moe_prefix
+from afdserve.model.router import Router
+from afdserve.runtime.expert_compute import ExpertCompute
+from afdserve.runtime.expert_map import ExpertMap
+from afdserve.comm import PeerClosedError
+from afdserve.runtime.links import Links, PeerFailure
+from afdserve.runtime.pipeline import PipelinedRunner
+from afdserve.runtime.trace import Tracer
+
+
+class Control(Protocol):
+    """The control channel to the front end (a multiprocessing Connection locally)."""
+
+    def send(self, obj: Any) -> None: ...
+    def recv(self) -> Any: ...
+    def poll(self, timeout: float = 0.0) -> bool: ...
+
+
+@dataclass
+class WorkerSpec:
+    role: str  # "attention" | "expert"
+    index: int
+    config: EngineConfig
+    model_path: str
+    expert_map: ExpertMap
+    store: tuple[str, int]  # rendezvous store of the deployment's M2N group
+    group: str  # unique name of this deployment (shared-memory names, store keys)
+    trace: bool = False
+    comm: dict = field(default_factory=dict)  # CommConfig overrides
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+
+def attention_name(i: int) -> str:
+    return f"attention{i}"
+
+
+def expert_name(j: int) -> str:
+    return f"expert{j}"
+
+
+class AttentionWorker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        cfg = spec.config
+        torch.set_num_threads(cfg.num_threads or 1)
+        self.tracer = Tracer(spec.name, spec.trace)
+        path = Path(spec.model_path)
+        model_cfg = ModelConfig.from_pretrained(path)
+        self.links = Links.connect(spec, peers=[expert_name(j) for j in range(spec.expert_map.num_workers)])
+        self.engine = build_attention_engine(cfg, path, model_cfg, moe=lambda *a: None)  # runner replaced below
+        base = self.engine.runner
+        self.runner = PipelinedRunner(base.model, base.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
+                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000)
+        self.engine.runner = self.runner
+        self.failed: str | None = None
+
+    def serve(self, ctl: Control) -> None:
+        ctl.send(("ready", self.spec.name, os.getpid()))
+        eng = self.engine
+        while True:
+            idle = not eng.has_unfinished()
+            t0 = time.time_ns()
+            if ctl.poll(0.05 if idle else 0):
+                while True:
+                    msg = ctl.recv()
+                    if msg[0] == "stop":
+                        return
+                    self._control(msg, ctl)
+                    if not ctl.poll(0):
+                        break
+            if idle:
+                if self.tracer.enabled and eng.has_unfinished():
+                    self.tracer.spans.append(_idle_span(t0))
+                continue
+            try:
+                with self.tracer.span("step", step=self.runner.step_no + 1):
+                    outs = eng.step()
+            except PeerFailure as e:
+                self._fail_all(str(e), ctl)
+                continue
+            if outs:
+                ctl.send(("out", outs, self._stats()))
+
+    def _control(self, msg: tuple, ctl: Control) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, ids, text, params = msg
+            if self.failed:
+                ctl.send(("out", [_failed_output(rid, text, ids, self.failed)], self._stats()))
+                return
+            try:
+                self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, params, request_id=rid)
+            except Exception as e:  # validated by the front end already; report anyway
+                ctl.send(("out", [_failed_output(rid, text, ids, f"{type(e).__name__}: {e}")], self._stats()))
+        elif kind == "abort":
+            self.engine.abort(msg[1])
+        elif kind == "trace":
+            ctl.send(("trace", self.spec.name, self.tracer.events(msg[1])))
+            self.tracer.spans.clear()
+        elif kind == "stats":
+            ctl.send(("stats", self.spec.name, self._stats()))
+
+    def _stats(self) -> dict:
+        eng = self.engine
+        return {"running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
+                "kv_usage": eng.blocks.usage, "step_s": eng.last_step.seconds, "step_tokens": eng.last_step.num_tokens,
+                "tokens_per_expert_worker": self.runner.tokens_per_worker.tolist()}
+
+    def _fail_all(self, reason: str, ctl: Control) -> None:
+        self.failed = reason
+        outs = []
+        for rid in list(self.engine.seqs):
+            out = self.engine.abort(rid)
+            if out is not None:
+                out.error = reason
+                outs.append(out)
+        ctl.send(("failed", self.spec.name, reason))
+        if outs:
+            ctl.send(("out", outs, self._stats()))
+
+    def close(self) -> None:
+        self.links.close()
+
+
+class ExpertWorker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        cfg = spec.config
+        torch.set_num_threads(cfg.num_threads or 1)
+        self.tracer = Tracer(spec.name, spec.trace)
+        path = Path(spec.model_path)
+        model_cfg = ModelConfig.from_pretrained(path)
+        dtype = parse_dtype(cfg.dtype)
+        reader = CheckpointReader(path)
+        experts = ExpertModel.load(path, spec.expert_map.experts_of(spec.index), dtype, model_cfg, reader)
+        routers = None
+        if cfg.gate == "expert":  # JANUS: every expert worker computes the same gate
+            routers = [Router(model_cfg, dtype) for _ in range(model_cfg.num_layers)]
+            for layer, r in enumerate(routers):
+                r.weight.copy_(reader.get(_moe_prefix(model_cfg, layer, reader) + ".gate.weight",
+                                          (model_cfg.num_experts, model_cfg.hidden_size), dtype))
+        self.compute = ExpertCompute(experts, routers)
+        self.peers = [attention_name(i) for i in range(cfg.attention_workers)]
+        self.links = Links.connect(spec, peers=self.peers)
+
+    def serve(self, ctl: Control) -> None:
+        ctl.send(("ready", self.spec.name, os.getpid()))
+        while True:
+            t0 = time.time_ns()
+            try:
+                msgs = self.links.gather(0.05)
+            except PeerFailure as e:
+                if isinstance(e, PeerClosedError):  # an attention worker shut down first
+                    msgs = []
+                else:
+                    ctl.send(("failed", self.spec.name, str(e)))
+                    return
+            if ctl.poll(0):
+                msg = ctl.recv()
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "trace":
+                    ctl.send(("trace", self.spec.name, self.tracer.events(msg[1])))
+                    self.tracer.spans.clear()
+                elif msg[0] == "stats":
+                    ctl.send(("stats", self.spec.name, {"tokens_per_expert": self.compute.tokens_per_expert.tolist()}))
+            if not msgs:
+                continue
+            if self.tracer.enabled:
+                self.tracer.spans.append(_idle_span(t0))
+            try:
+                self._round(msgs)
+            except PeerFailure as e:
+                ctl.send(("failed", self.spec.name, str(e)))
+                return
+
+    def _round(self, msgs: list[tuple[int, Any]]) -> None:
+        """One message from each attention worker that sent one; tokens of a layer are merged."""
+        by_layer: dict[int, list[tuple[int, Any]]] = {}
+        for i, msg in msgs:
+            by_layer.setdefault(msg.meta.layer, []).append((i, msg))
+        for layer, group in by_layer.items():
+            mbs = sorted({m.meta.microbatch for _, m in group})
+            with self.tracer.span("expert", layer=layer, mb=mbs[0] if len(mbs) == 1 else str(mbs),
+                                  tokens=sum(m.tensors[0].shape[0] for _, m in group), senders=len(group)):
+                outs = self.compute.run(layer, [m.tensors for _, m in group])
+            with self.tracer.span("send", layer=layer):
+                for (i, msg), out in zip(group, outs):
+                    meta = msg.meta
+                    msg.release()
+                    self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0))
+
+    def close(self) -> None:
+        self.links.close()
+
+
+def _idle_span(t0_ns: int):
+    from afdserve.runtime.trace import Span
+
+    t1 = time.time_ns()
+    return Span("idle", t0_ns / 1e3, (t1 - t0_ns) / 1e3)
+
+
+def _failed_output(rid: str, text: str | None, ids: list[int], reason: str) -> RequestOutput:
+    return RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], "abort")], finished=True, error=reason)
+
+
+def run_worker(spec: WorkerSpec, ctl: Control) -> None:
+    """Process entry point: build the worker, serve until told to stop, report failures."""
+    worker = None
+    try:
+        worker = (AttentionWorker if spec.role == "attention" else ExpertWorker)(spec)
+        worker.serve(ctl)
+    except BaseException as e:  # report to the front end; it decides what fails
+        try:
+            ctl.send(("crash", spec.name, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        if worker is not None:
+            worker.close()
