@@ -23,6 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--micro-batches", type=int, default=1, help="micro-batches of the ping-pong pipeline")
     d.add_argument("--gate", default="attention", choices=["attention", "expert"],
                    help="where the router runs: attention side (MegaScale-Infer) or expert side (JANUS)")
+    d.add_argument("--expert-split", default=None,
+                   help="experts per expert worker, comma-separated (default: as even as possible)")
+    d.add_argument("--comm-transport", default="auto", choices=["auto", "shm", "tcp", "torch"],
+                   help="M2N transport between workers (auto: shared memory on one host, TCP across hosts)")
+    d.add_argument("--trace", default=None, metavar="PATH",
+                   help="write a Chrome/Perfetto trace of every worker to PATH on shutdown")
 
 
 def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
@@ -30,9 +36,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
-              micro_batches=args.micro_batches, gate=args.gate)
-    for name in ("trace",):
-        if hasattr(args, name):
-            kw[name] = getattr(args, name)
+              micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
+              trace=args.trace,
+              expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)
     return EngineConfig.from_kwargs(**kw)

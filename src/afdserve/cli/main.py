@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name and e.name.startswith("afdserve"):
                 continue  # a subsystem not built yet
             raise
+        if not hasattr(mod, "add_parser"):
+            continue
         p = mod.add_parser(sub)
         p.set_defaults(func=mod.main)
     return parser
