@@ -1,0 +1,92 @@
+"""predict_iteration_time for a local deployment of the runtime."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from afdserve.planner import perf_model as pm
+from afdserve.planner.local import predict_iteration_time, predict_local, tokens_per_expert_worker
+from afdserve.planner.profile import AttentionCost, ExpertCost, NetworkProfile, Profile, WireFormat
+from afdserve.planner.simulator import SimConfig, simulate
+from afdserve.planner.spec import PRESETS
+
+DEMO = PRESETS["demo"]
+
+
+def _profile(**kw) -> Profile:  # type: ignore[no-untyped-def]
+    base = dict(
+        model="demo",
+        attention=(AttentionCost(k1_tok=2e-6, k1_ctx=1e-9, k2=1e-4, tp=1, gpu="cpu"),),
+        expert=(ExpertCost(k3=1e-6, k4=2e-4, tp=1, experts_per_node=4, gpu="cpu"),),
+        network=NetworkProfile(latency_s=30e-6, bandwidth_Bps=2e9),
+        wire=WireFormat(act_bytes=2, meta_bytes_per_token=0, dispatch="pairs"),
+    )
+    base.update(kw)
+    return Profile(**base)
+
+
+def test_hand_worked_even_micro_batches() -> None:
+    prof = _profile()
+    n_a, n_e, m, batch, s = 2, 2, 2, 64, 500  # 4 experts per worker, micro-batches of 32
+    ta = (2e-6 + 1e-9 * 500) * 32 + 1e-4
+    b_e = 32 * 2 * 2 / 2  # pairs per expert worker
+    te = 1e-6 * b_e + 2e-4
+    tok = 32 * 2 / 2  # hidden vectors per (attention worker, expert worker) message, "pairs"
+    msg = tok * 256 * 2
+    tc = 2 * (30e-6 + msg / 2e9)  # two messages serialised per endpoint
+    expect = pm.iteration_time(ta, te, tc, m, DEMO.num_layers)
+    got = predict_local(prof, n_a, n_e, m, batch, s, DEMO)
+    assert got.ta_s == pytest.approx(ta) and got.te_s == pytest.approx(te)
+    assert got.tc_a2e_s == pytest.approx(tc) and got.tc_e2a_s == pytest.approx(tc)
+    assert got.iteration_s == pytest.approx(expect)
+    assert predict_iteration_time(prof, n_a, n_e, m, batch, s, DEMO) == pytest.approx(expect)
+    assert got.micro_batch_sizes == (32, 32) and got.experts_per_worker == 4 and not got.expert_cost_scaled
+
+
+def test_step_overhead_and_meta_bytes() -> None:
+    p0 = _profile()
+    p1 = _profile(step_fixed_s=1e-3, step_per_token_s=1e-5, wire=WireFormat(meta_bytes_per_token=24, dispatch="pairs"))
+    a = predict_local(p0, 1, 2, 1, 10, 100, DEMO)
+    b = predict_local(p1, 1, 2, 1, 10, 100, DEMO)
+    assert b.tc_a2e_s > a.tc_a2e_s and b.tc_e2a_s == pytest.approx(a.tc_e2a_s)
+    assert b.iteration_s - b.pipeline_s == pytest.approx(1e-3 + 10 * 1e-5)
+
+
+def test_uneven_micro_batches_are_simulated() -> None:
+    prof = _profile()
+    got = predict_local(prof, 1, 2, 3, 10, 200, DEMO)
+    assert got.micro_batch_sizes == (4, 3, 3)
+    att, exp = prof.attention[0], prof.expert[0]
+    ta = [att.time(b, 200) for b in (4, 3, 3)]
+    te = [exp.time(pm.expert_micro_batch(b, 1, 2, 2)) for b in (4, 3, 3)]
+    sim = simulate(SimConfig(1, 2, 3, DEMO.num_layers, ta, te, got.tc_a2e_s, tc_back=got.tc_e2a_s))
+    assert got.iteration_s == pytest.approx(sim.iteration_time)
+    # fewer sequences than micro-batches: empty micro-batches are dropped
+    assert predict_local(prof, 1, 2, 4, 2, 200, DEMO).micro_batch_sizes == (1, 1)
+
+
+def test_expert_entry_scaled_to_worker_count() -> None:
+    prof = _profile()
+    got = predict_local(prof, 1, 4, 1, 8, 100, DEMO)  # 2 experts per worker, profile has 4
+    assert got.expert_cost_scaled and got.experts_per_worker == 2
+    assert got.te_s == pytest.approx(1e-6 * (8 * 2 / 4) + 2e-4 * 2 / 4)
+
+
+def test_routed_dispatch_counts_distinct_workers() -> None:
+    # E = 8, K = 2, 2 experts per worker: P(token misses a worker) = C(6,2)/C(8,2) = 15/28
+    assert tokens_per_expert_worker(28, DEMO, 4, "routed") == pytest.approx(13)
+    assert tokens_per_expert_worker(28, DEMO, 4, "pairs") == pytest.approx(14)
+    assert tokens_per_expert_worker(28, DEMO, 4, "broadcast") == 28
+    assert tokens_per_expert_worker(10, DEMO, 1, "routed") == pytest.approx(10)  # one worker gets every token
+    assert math.comb(6, 2) / math.comb(8, 2) == pytest.approx(15 / 28)
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match="network"):
+        predict_iteration_time(_profile(network=None), 1, 1, 1, 1, 1, DEMO)
+    with pytest.raises(ValueError, match="attention"):
+        predict_iteration_time(_profile(attention=()), 1, 1, 1, 1, 1, DEMO)
+    with pytest.raises(ValueError):
+        predict_iteration_time(_profile(), 0, 1, 1, 1, 1, DEMO)
