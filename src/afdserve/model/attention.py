@@ -47,13 +47,10 @@ class AttnMetadata:
         dec = [i for i, q in enumerate(query_lens) if q == 1]
         rows = slots = mask = None
         if dec:
-            max_kv = max(kv_lens[i] for i in dec)
             rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64)
-            slots = torch.zeros(len(dec), max_kv, dtype=torch.int64)
-            mask = torch.zeros(len(dec), 1, 1, max_kv, dtype=torch.bool)
-            for j, i in enumerate(dec):
-                slots[j, : kv_lens[i]] = kv_slots[i]
-                mask[j, ..., : kv_lens[i]] = True
+            slots = torch.nn.utils.rnn.pad_sequence([kv_slots[i] for i in dec], batch_first=True)
+            lens = torch.tensor([kv_lens[i] for i in dec])
+            mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
         return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows, slots, mask)
 
 

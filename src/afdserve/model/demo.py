@@ -347,15 +347,18 @@ def _write_json(path: Path, obj: Any, indent: int | None = 2) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
-def build_demo_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
+def build_demo_model(path: str | os.PathLike[str], seed: int = 0,
+                     overrides: dict[str, Any] | None = None) -> Path:
     """Write the demo checkpoint (weights, configs, tokenizer) into ``path``; returns ``path``.
 
-    The output is a pure function of ``seed`` (byte-identical files on every machine).
-    Existing files of the same names are overwritten.
+    The output is a pure function of ``seed`` and ``overrides`` (byte-identical files on every
+    machine). ``overrides`` changes config fields (e.g. more layers, a smaller vocabulary) for
+    benchmark variants; the tokenizer stays the demo's. Existing files are overwritten.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(DEMO_CONFIG)
+    cfg.update(overrides or {})
     _write_json(out / "config.json", cfg)
     _write_json(
         out / "generation_config.json",

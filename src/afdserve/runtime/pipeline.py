@@ -54,10 +54,15 @@ class PipelinedRunner:
                 with tr.span("attention", mb=i, layer=layer, tokens=mb.meta.num_tokens):
                     h, y, ids, w = m.pre_moe(layer, x[i], cos_sin[i], mb.meta, self.kv)
                 flight[i] = self._dispatch(i, layer, h, y, ids, w)
+        # Each micro-batch's LM head runs as soon as its last layer is combined, while the experts
+        # still work on the next micro-batch's last layer.
+        local_rows = rows_in(mbs, rows)
+        logits = []
         for i in range(len(mbs)):
             x[i] = self._combine(i, m.cfg.num_layers - 1, flight[i])
-        local_rows = rows_in(mbs, rows)
-        return torch.cat([m.logits(x[i][r]) for i, r in enumerate(local_rows)])
+            with tr.span("attention", mb=i, layer=m.cfg.num_layers, phase="lm_head"):
+                logits.append(m.logits(x[i][local_rows[i]]))
+        return torch.cat(logits)
 
     def _dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
                   w: torch.Tensor) -> _InFlight:
