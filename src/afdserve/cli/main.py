@@ -17,7 +17,7 @@ COMMANDS = {
     "plan": "afdserve.planner.cli",
     "profile": "afdserve.planner.profiler",
     "trace-plot": "afdserve.runtime.trace_plot",
-    "expert-load": "afdserve.balance.heatmap",
+    "expert-load": "afdserve.balance.cli",
 }
 
 
