@@ -30,6 +30,8 @@ class EngineConfig:
     comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer once a step has started
     startup_timeout_s: float = 300.0
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
+    load_window: int = 64  # engine steps of expert load kept for balancing and /metrics
+    attention_cost: str | None = None  # planner profile (afdserve profile) used to balance attention workers
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:

@@ -147,6 +147,23 @@ class ExpertModel(nn.Module):
         return m
 
 
+def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reader: CheckpointReader) -> ExpertModel:
+    """An ExpertModel holding ``expert_ids[layer]``: weights it already has are copied from ``old``,
+    the others are read from the checkpoint."""
+    new = ExpertModel(old.cfg, [list(x) for x in expert_ids], old.dtype)
+    for layer, (part, before) in enumerate(zip(new.layers, old.layers)):
+        have = {e: j for j, e in enumerate(before.expert_ids)}
+        for j, e in enumerate(part.expert_ids):
+            if e in have:
+                part.w_gate_up[j].copy_(before.w_gate_up[have[e]])
+                part.w_down[j].copy_(before.w_down[have[e]])
+            else:
+                gate_up, down = read_expert(reader, old.cfg, layer, e, old.dtype)
+                part.w_gate_up[j].copy_(gate_up)
+                part.w_down[j].copy_(down)
+    return new
+
+
 def read_expert(r: CheckpointReader, cfg: ModelConfig, layer: int, expert: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Reads one routed expert's ([2I, H] gate+up, [H, I] down) in any supported layout."""

@@ -22,12 +22,16 @@ File format (JSON, ``"format": "afdserve-planner-profile"``, ``"version": 1``)::
       "network":   {"latency_s": 2.5e-05, "bandwidth_Bps": 9.0e+09, "nominal_Bps": null, "points": []},
       "wire":      {"act_bytes": 2, "meta_bytes_per_token": 0, "dispatch": "routed"},
       "step":      {"fixed_s": 0.0, "per_token_s": 0.0},
+      "runtime":   {"cores": 2, "send_s": 1.6e-05, "send_per_byte_s": 4e-11, "ring_s": 2e-05,
+                    "take_s": 6e-05, "wake_s": 6e-05, "spin_s": 5e-05, "dispatch_per_worker_s": 2e-05},
       "samples":   {"attention": [[b, s, t], ...], "expert": [[b, t], ...], "network": [[bytes, t], ...]},
       "notes": ""
     }
 
 Times are seconds, sizes bytes.  ``gpu`` is matched case-insensitively against catalog names; an
 empty ``gpu`` (or ``"*"``) matches any GPU.  ``samples`` is optional (kept for re-fitting).
+``runtime`` is optional: the costs of this repository's runtime around the model's compute, which
+``afdserve profile`` measures and the local model (:mod:`afdserve.planner.local`) uses.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,10 +54,12 @@ __all__ = [
     "UtilCurve",
     "NetworkProfile",
     "WireFormat",
+    "RuntimeCosts",
     "Profile",
     "fit_attention",
     "fit_expert",
     "fit_network",
+    "fit_affine",
     "fit",
     "load_profile",
     "save_profile",
@@ -179,6 +185,39 @@ class WireFormat:
 
 
 @dataclass(frozen=True)
+class RuntimeCosts:
+    """What this repository's runtime spends around the model's compute, per event (seconds).
+
+    Only the local model uses these (:func:`afdserve.planner.local.predict_local`); the planner's
+    search does not.  ``afdserve profile`` measures them with the real M2N library and pipeline:
+
+    * ``send_s + send_per_byte_s * bytes``: the sender's CPU time in ``Links.send`` (copy into the
+      receiver's registered slot, completion); ``ring_s`` more when the receiver sleeps in ``poll``
+      (the wake-up byte on the pair's socket);
+    * ``take_s``: the receiver's CPU time to take an arrived message (``recv``/``gather`` + release);
+    * ``wake_s``: how long a receiver that went to sleep (it waited longer than ``spin_s``, the
+      busy-poll time of ``CommConfig``) takes to run again after the message arrives;
+    * ``dispatch_per_worker_s``: the attention worker's extra bookkeeping per micro-batch and layer
+      for each expert worker beyond the first (the attention entry's ``k1``/``k2`` are measured
+      dispatching to one);
+    * ``cores``: CPU cores the worker processes share; with more runnable workers than cores they
+      time-share them (0: every worker has its own core or device).
+    """
+
+    cores: int = 0
+    send_s: float = 0.0
+    send_per_byte_s: float = 0.0
+    ring_s: float = 0.0
+    take_s: float = 0.0
+    wake_s: float = 0.0
+    spin_s: float = 50e-6
+    dispatch_per_worker_s: float = 0.0
+
+    def send_time(self, nbytes: float, receiver_asleep: bool = False) -> float:
+        return self.send_s + self.send_per_byte_s * nbytes + (self.ring_s if receiver_asleep else 0.0)
+
+
+@dataclass(frozen=True)
 class Profile:
     """Measured constants of the performance model for one model (see module docstring)."""
 
@@ -189,6 +228,7 @@ class Profile:
     wire: WireFormat = field(default_factory=WireFormat)
     step_fixed_s: float = 0.0
     step_per_token_s: float = 0.0
+    runtime: RuntimeCosts | None = None
     estimate: bool = False
     device: str = ""
     notes: str = ""
@@ -226,6 +266,8 @@ class Profile:
             "step": {"fixed_s": self.step_fixed_s, "per_token_s": self.step_per_token_s},
             "notes": self.notes,
         }
+        if self.runtime is not None:
+            out["runtime"] = asdict(self.runtime)
         if self.samples is not None:
             out["samples"] = self.samples
         return out
@@ -275,6 +317,12 @@ class Profile:
                 )
             wire = WireFormat(**d["wire"]) if d.get("wire") else WireFormat()
             step = d.get("step") or {}
+            rt_d = d.get("runtime")
+            runtime = None
+            if rt_d:
+                known = {f.name for f in fields(RuntimeCosts)}
+                runtime = RuntimeCosts(**{k: (int(v) if k == "cores" else float(v)) for k, v in rt_d.items()
+                                          if k in known})
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ConfigError(f"{source}: malformed profile: {e!r}") from e
         return cls(
@@ -285,6 +333,7 @@ class Profile:
             wire=wire,
             step_fixed_s=float(step.get("fixed_s", 0.0)),
             step_per_token_s=float(step.get("per_token_s", 0.0)),
+            runtime=runtime,
             estimate=bool(d.get("estimate", False)),
             device=str(d.get("device", "")),
             notes=str(d.get("notes", "")),
@@ -341,6 +390,22 @@ def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> 
 
 def _rmse(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.sqrt(np.mean((pred - y) ** 2)))
+
+
+def fit_affine(
+    columns: Sequence[Sequence[float]], y: Sequence[float], *, relative: bool = False
+) -> tuple[list[float], float]:
+    """Non-negative least squares ``y ~ sum_i c_i * columns[i]``; returns ``(coefficients, rmse)``.
+
+    ``relative``: minimise relative errors (weights ``1/y``), so small and large values count alike.
+    """
+    a = np.column_stack([np.asarray(c, dtype=float) for c in columns])
+    yy = np.asarray(y, dtype=float)
+    if a.shape[0] < a.shape[1]:
+        raise ValueError(f"fit_affine: {a.shape[0]} samples for {a.shape[1]} coefficients")
+    w = 1.0 / np.maximum(yy, 1e-12) if relative else None
+    coef = _nonneg_lstsq(a, yy, w)
+    return [float(c) for c in coef], _rmse(a @ coef, yy)
 
 
 def fit_attention(samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str = "") -> AttentionCost:

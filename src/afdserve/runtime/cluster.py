@@ -22,6 +22,9 @@ from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.errors import RequestError, WorkerError
 from afdserve.model.config import ModelConfig
+from afdserve.balance.attention import AttentionBalancer
+from afdserve.balance.load import LoadSnapshot
+from afdserve.balance.placement import Placement
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.launcher import Launched, spawn_worker, start_store
 from afdserve.runtime.trace import write_chrome_trace
@@ -67,7 +70,12 @@ class LocalCluster:
             self.shutdown()
             raise
         self.attention = [s.name for s in specs if s.role == "attention"]
+        self.experts = [s.name for s in specs if s.role == "expert"]
         self.load = {a: 0 for a in self.attention}
+        self.balancer = AttentionBalancer.from_profile(self.attention, cfg.attention_cost) if cfg.attention_cost \
+            else AttentionBalancer(self.attention)
+        self.map_version = 0
+        self._buffer: list[RequestOutput] = []
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _wait_ready(self, timeout: float) -> None:
@@ -118,16 +126,19 @@ class LocalCluster:
             raise RequestError(f"duplicate request id {rid!r}")
         if self.failed:
             raise WorkerError(f"deployment failed: {self.failed}")
-        target = min(self.attention, key=lambda a: self.load[a])  # least outstanding requests
+        params = params or SamplingParams()
+        target = self.balancer.pick(len(ids), params.max_tokens)  # least predicted attention time
+        self.balancer.add(target, rid, len(ids))
         self.owner[rid] = target
         self.load[target] += 1
-        self.workers[target].send(("add", rid, ids, text, params or SamplingParams()))
+        self.workers[target].send(("add", rid, ids, text, params))
         return rid
 
     def abort(self, request_id: str) -> None:
         target = self.owner.pop(request_id, None)
         if target is not None:
             self.load[target] -= 1
+            self.balancer.remove(target, request_id)
             self.workers[target].send(("abort", request_id))
 
     def has_unfinished(self) -> bool:
@@ -135,7 +146,10 @@ class LocalCluster:
 
     def step(self, timeout: float = 1.0) -> list[RequestOutput]:
         """Outputs that arrived (waits up to ``timeout`` for the first)."""
-        outs: list[RequestOutput] = []
+        if self._buffer:
+            outs, self._buffer = self._buffer, []
+            return outs
+        outs = []
         conns = {w.conn: n for n, w in self.workers.items() if not w.dead}
         for r in wait(list(conns), timeout=timeout):
             name = conns[r]
@@ -158,14 +172,78 @@ class LocalCluster:
         if kind == "out":
             self.stats[name] = msg[2]
             for o in msg[1]:
-                if o.finished and self.owner.pop(o.request_id, None) is not None:
-                    self.load[name] -= 1
+                if o.finished:
+                    if self.owner.pop(o.request_id, None) is not None:
+                        self.load[name] -= 1
+                    self.balancer.remove(name, o.request_id)
+                elif o.outputs:
+                    self.balancer.update(name, o.request_id, len(o.prompt_token_ids) + len(o.outputs[0].token_ids))
             return [o for o in msg[1]]
         if kind in ("failed", "crash"):
             return self._worker_died(name if kind == "crash" else None, msg[2])
         if kind == "stats":
             self.stats[msg[1]] = msg[2]
         return []
+
+    # ---- expert placement -------------------------------------------------------------------
+    def _call(self, targets: list[str], msg: tuple, timeout: float = 120.0) -> None:
+        """Sends ``msg`` to ``targets`` and waits for each one's ack (outputs arriving meanwhile
+        are kept for the next ``step``)."""
+        for t in targets:
+            self.workers[t].send(msg)
+        pending = set(targets)
+        deadline = time.monotonic() + timeout
+        while pending:
+            if self.failed:
+                raise WorkerError(f"deployment failed: {self.failed}")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers {sorted(pending)} did not acknowledge {msg[0]!r} within {timeout:.0f} s")
+            conns = {self.workers[n].conn: n for n in self.workers if not self.workers[n].dead}
+            for r in wait(list(conns), timeout=0.1):
+                name, w = conns[r], self.workers[conns[r]]
+                while not w.dead and w.conn.poll(0):
+                    try:
+                        got = w.conn.recv()
+                    except (EOFError, OSError):
+                        self._buffer += self._worker_died(name, f"{name} (pid {w.pid}) died")
+                        break
+                    if got[0] == "ack" and name in pending:
+                        pending.discard(name)
+                    else:
+                        self._buffer += self._handle(name, got)
+
+    def expert_load(self) -> LoadSnapshot | None:
+        """Tokens per expert and co-activation over the recent window, merged over the workers."""
+        snaps = [LoadSnapshot.from_json(st["load"]) for st in self.collect("stats").values() if "load" in st]
+        return LoadSnapshot.merge(snaps) if snaps else None
+
+    def rebalance(self, placement: Placement | None = None, slots_per_worker: int | None = None,
+                  planner: str = "janus") -> ExpertMap:
+        """Moves expert weights to ``placement`` (default: planned from the recent load, with
+        ``slots_per_worker`` slots each) while serving: expert workers first load the new experts
+        next to the old ones, then every attention worker switches maps between two steps, then
+        the experts no longer needed are dropped. No request fails and no output changes."""
+        if placement is None:
+            from afdserve.balance.planners import plan_janus, plan_megascale
+
+            load = self.expert_load()
+            if load is None:
+                raise WorkerError("no expert load recorded yet: serve some requests first")
+            cur = self.expert_map.placement.layers[0].capacities
+            slots = slots_per_worker or max(cur)
+            plan = plan_janus if planner == "janus" else plan_megascale
+            placement = plan(load, len(self.experts), slots)
+        new_map = ExpertMap(placement)
+        if new_map.num_workers != len(self.experts) or new_map.num_layers != self.model_cfg.num_layers:
+            raise WorkerError(f"placement is for {new_map.num_workers} workers x {new_map.num_layers} layers; "
+                              f"the deployment has {len(self.experts)} x {self.model_cfg.num_layers}")
+        placement.validate()
+        version = self.map_version + 1
+        self._call(self.experts, ("prepare", version, new_map))
+        self._call(self.attention, ("set_map", version, new_map))
+        self._call(self.experts, ("commit", version))
+        self.map_version, self.expert_map = version, new_map
+        return new_map
 
     def _worker_died(self, name: str | None, reason: str) -> list[RequestOutput]:
         """Fails every in-flight request with an error naming the failed worker."""
@@ -197,6 +275,12 @@ class LocalCluster:
                 else:
                     self._handle(n, msg)
         return got
+
+    def request_stats(self) -> None:
+        """Asks every live worker for its stats without waiting: the replies land in ``self.stats``
+        during ``step`` (unlike ``collect``, no output is held back meanwhile)."""
+        for w in self.workers.values():
+            w.send(("stats",))
 
     def write_trace(self, path: str) -> None:
         write_chrome_trace(path, self.collect("trace"))

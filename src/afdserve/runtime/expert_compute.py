@@ -4,31 +4,45 @@ from __future__ import annotations
 
 import torch
 
+from afdserve.balance.load import LoadTracker
 from afdserve.model.model import ExpertModel
 from afdserve.model.router import Router
+from afdserve.runtime.expert_map import ExpertMap
 
 
 class ExpertCompute:
     """Runs this worker's experts of a layer once over the tokens gathered from all attention
-    workers. With the expert-side gate, the router runs here on the full activations."""
+    workers. With the expert-side gate, the router runs here on the full activations, and the
+    expert map (of the version the sender used) says which (token, k) pairs are this worker's."""
 
-    def __init__(self, experts: ExpertModel, routers: list[Router] | None):
-        self.experts, self.routers = experts, routers
-        self.tokens_per_expert = torch.zeros(experts.cfg.num_layers, experts.cfg.num_experts + 1, dtype=torch.int64)
+    def __init__(self, experts: ExpertModel, routers: list[Router] | None, worker: int,
+                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None):
+        self.experts, self.routers, self.worker, self.maps = experts, routers, worker, maps
+        self.tracker = tracker  # records logical routing when the gate runs here
+        cfg = experts.cfg
+        self.tokens_per_expert = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.int64)
 
     @torch.inference_mode()
-    def run(self, layer: int, parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:
         """``parts``: per sender, [y] (expert gate) or [y, ids, weights] (attention gate).
         Returns per sender the partial sums [n_i, H]."""
         sizes = [p[0].shape[0] for p in parts]
         y = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        n_exp = self.experts.cfg.num_experts
         if len(parts[0]) == 1:
             if self.routers is None:
                 raise RuntimeError("expert-side gate requested but this worker has no router weights")
-            ids, w = self.routers[layer](y)
+            # Route each sender's micro-batch on its own: every expert worker received exactly that
+            # batch, so all of them compute the same assignment whatever else they merged with it.
+            routed = [self.routers[layer](p[0]) for p in parts]
+            mine = [self.maps[version].route(layer, i) == self.worker for i, _ in routed]
+            ids = torch.cat([torch.where(m, i, n_exp) for (i, _), m in zip(routed, mine)])
+            w = torch.cat([w for _, w in routed])
+            if self.tracker is not None:
+                self.tracker.record(layer, torch.cat([i for i, _ in routed]))
         else:
             ids = torch.cat([p[1] for p in parts]).to(torch.int64) if len(parts) > 1 else parts[0][1].to(torch.int64)
             w = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
-        self.tokens_per_expert[layer] += torch.bincount(ids.reshape(-1), minlength=self.tokens_per_expert.shape[1])
+        self.tokens_per_expert[layer] += torch.bincount(ids.reshape(-1), minlength=n_exp + 1)
         out = self.experts.layers[layer](y, ids, w)
         return list(out.split(sizes))

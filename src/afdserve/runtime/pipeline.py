@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.balance.load import LoadTracker
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
@@ -31,18 +32,27 @@ class _InFlight:
 
 class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
-                 micro_batches: int, gate: str, tracer: Tracer, timeout_s: float):
+                 micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
+                 tracker: LoadTracker | None = None):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
+        self.version = 0  # of the expert map; sent with every dispatch
+        self.tracker = tracker
         self.m, self.gate = micro_batches, GATE_EXPERT if gate == "expert" else GATE_ATTENTION
         self.tracer, self.timeout = tracer, timeout_s
         self.vocab_size = model.cfg.vocab_size
         self.step_no = 0
         self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
 
+    def set_map(self, version: int, expert_map: ExpertMap) -> None:
+        """Switches the expert map (between steps: nothing is in flight then)."""
+        self.version, self.map = version, expert_map
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
         m, tr = self.model, self.tracer
         self.step_no += 1
+        if self.tracker is not None:
+            self.tracker.step()
         mbs = split(meta, self.m)
         x = [m.embed_tokens(input_ids[mb.rows]) for mb in mbs]
         cos_sin = [m.rotary.cos_sin(mb.meta.positions, m.dtype) for mb in mbs]
@@ -71,10 +81,12 @@ class PipelinedRunner:
         with self.tracer.span("send", mb=mb, layer=layer):
             if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
                 for j in range(self.map.num_workers):
-                    self.links.send(j, [y], (self.step_no, mb, layer, GATE_EXPERT))
+                    self.links.send(j, [y], (self.step_no, mb, layer, self.version))
                     parts.append((j, None))
                 self.tokens_per_worker += y.shape[0]
                 return _InFlight(h, y, parts)
+            if self.tracker is not None:
+                self.tracker.record(layer, ids)
             owner = self.map.route(layer, ids)
             for j in range(self.map.num_workers):
                 mine = owner == j
@@ -82,7 +94,7 @@ class PipelinedRunner:
                 if tokens.numel() == 0:
                     continue  # nothing for this worker: no message, no wait
                 sub_ids = torch.where(mine[tokens], ids[tokens], n_exp).to(torch.int32)
-                self.links.send(j, [y[tokens], sub_ids, w[tokens]], (self.step_no, mb, layer, GATE_ATTENTION))
+                self.links.send(j, [y[tokens], sub_ids, w[tokens]], (self.step_no, mb, layer, self.version))
                 self.tokens_per_worker[j] += tokens.numel()
                 parts.append((j, tokens))
         return _InFlight(h, y, parts)

@@ -23,7 +23,8 @@ from afdserve.engine.builder import build_attention_engine
 from afdserve.engine.outputs import CompletionOutput, RequestOutput
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_dtype
-from afdserve.model.model import AttentionModel, ExpertModel, _moe_prefix
+from afdserve.balance.load import LoadTracker
+from afdserve.model.model import ExpertModel, _moe_prefix, regroup_experts
 from afdserve.model.router import Router
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.expert_map import ExpertMap
@@ -77,8 +78,10 @@ class AttentionWorker:
         self.links = Links.connect(spec, peers=[expert_name(j) for j in range(spec.expert_map.num_workers)])
         self.engine = build_attention_engine(cfg, path, model_cfg, moe=lambda *a: None)  # runner replaced below
         base = self.engine.runner
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+            if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(base.model, base.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
-                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000)
+                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
         self.engine.runner = self.runner
         self.failed: str | None = None
 
@@ -126,12 +129,19 @@ class AttentionWorker:
             ctl.send(("trace", self.spec.name, self.tracer.events(msg[1])))
             self.tracer.spans.clear()
         elif kind == "stats":
-            ctl.send(("stats", self.spec.name, self._stats()))
+            st = self._stats()
+            if self.runner.tracker is not None:
+                st["load"] = self.runner.tracker.snapshot().to_json()
+            ctl.send(("stats", self.spec.name, st))
+        elif kind == "set_map":  # processed between steps, so the whole next step uses the new map
+            self.runner.set_map(msg[1], msg[2])
+            ctl.send(("ack", self.spec.name, msg[1]))
 
     def _stats(self) -> dict:
         eng = self.engine
         return {"running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
                 "kv_usage": eng.blocks.usage, "step_s": eng.last_step.seconds, "step_tokens": eng.last_step.num_tokens,
+                "lengths": {rid: s.num_tokens for rid, s in eng.seqs.items()},
                 "tokens_per_expert_worker": self.runner.tokens_per_worker.tolist()}
 
     def _fail_all(self, reason: str, ctl: Control) -> None:
@@ -167,7 +177,10 @@ class ExpertWorker:
             for layer, r in enumerate(routers):
                 r.weight.copy_(reader.get(_moe_prefix(model_cfg, layer, reader) + ".gate.weight",
                                           (model_cfg.num_experts, model_cfg.hidden_size), dtype))
-        self.compute = ExpertCompute(experts, routers)
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+            if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
+        self.reader = reader
+        self.compute = ExpertCompute(experts, routers, spec.index, {0: spec.expert_map}, tracker)
         self.peers = [attention_name(i) for i in range(cfg.attention_workers)]
         self.links = Links.connect(spec, peers=self.peers)
 
@@ -183,15 +196,11 @@ class ExpertWorker:
                 else:
                     ctl.send(("failed", self.spec.name, str(e)))
                     return
-            if ctl.poll(0):
+            while ctl.poll(0):
                 msg = ctl.recv()
                 if msg[0] == "stop":
                     return
-                if msg[0] == "trace":
-                    ctl.send(("trace", self.spec.name, self.tracer.events(msg[1])))
-                    self.tracer.spans.clear()
-                elif msg[0] == "stats":
-                    ctl.send(("stats", self.spec.name, {"tokens_per_expert": self.compute.tokens_per_expert.tolist()}))
+                self._control(msg, ctl)
             if not msgs:
                 continue
             if self.tracer.enabled:
@@ -202,16 +211,41 @@ class ExpertWorker:
                 ctl.send(("failed", self.spec.name, str(e)))
                 return
 
+    def _control(self, msg: tuple, ctl: Control) -> None:
+        kind, c = msg[0], self.compute
+        if kind == "trace":
+            ctl.send(("trace", self.spec.name, self.tracer.events(msg[1])))
+            self.tracer.spans.clear()
+        elif kind == "stats":
+            st: dict = {"tokens_per_expert": c.tokens_per_expert.tolist(),
+                        "experts": [list(p.expert_ids) for p in c.experts.layers]}
+            if c.tracker is not None:
+                st["load"] = c.tracker.snapshot().to_json()
+            ctl.send(("stats", self.spec.name, st))
+        elif kind == "prepare":  # hold the union of the current and the new map's experts
+            version, new_map = msg[1], msg[2]
+            cur = [set(p.expert_ids) for p in c.experts.layers]
+            union = [sorted(a | set(b)) for a, b in zip(cur, new_map.experts_of(self.spec.index))]
+            c.experts = regroup_experts(c.experts, union, self.reader)
+            c.maps[version] = new_map
+            ctl.send(("ack", self.spec.name, version))
+        elif kind == "commit":  # every attention worker uses the new map: drop what it doesn't need
+            version = msg[1]
+            keep = c.maps[version]
+            c.experts = regroup_experts(c.experts, keep.experts_of(self.spec.index), self.reader)
+            c.maps = {version: keep}
+            ctl.send(("ack", self.spec.name, version))
+
     def _round(self, msgs: list[tuple[int, Any]]) -> None:
         """One message from each attention worker that sent one; tokens of a layer are merged."""
-        by_layer: dict[int, list[tuple[int, Any]]] = {}
-        for i, msg in msgs:
-            by_layer.setdefault(msg.meta.layer, []).append((i, msg))
-        for layer, group in by_layer.items():
+        by_layer: dict[tuple[int, int], list[tuple[int, Any]]] = {}
+        for i, msg in msgs:  # merged per (layer, map version)
+            by_layer.setdefault((msg.meta.layer, msg.meta.tag), []).append((i, msg))
+        for (layer, _), group in by_layer.items():
             mbs = sorted({m.meta.microbatch for _, m in group})
             with self.tracer.span("expert", layer=layer, mb=mbs[0] if len(mbs) == 1 else str(mbs),
                                   tokens=sum(m.tensors[0].shape[0] for _, m in group), senders=len(group)):
-                outs = self.compute.run(layer, [m.tensors for _, m in group])
+                outs = self.compute.run(layer, [m.tensors for _, m in group], group[0][1].meta.tag)
             with self.tracer.span("send", layer=layer):
                 for (i, msg), out in zip(group, outs):
                     meta = msg.meta

@@ -1,0 +1,169 @@
+"""Shared-memory transport: the sender copies straight into the receiver's slot.
+
+Segment layout (owned by the receiver): a 4 KiB control block of 64-bit words, then the slots.
+Completion is a sequence word per slot: the sender writes header + payload, then stores
+``FILLED[s] = seq + 1``; the receiver releases with ``FREED[s] = seq + 1``. Each side announces
+that it is going to sleep in a WAITING word, and the other side then writes one byte on the pair's
+socket. Words written by different sides live in different cache lines.
+
+Ordering: the payload stores precede the completion store in program order and x86-64 keeps stores
+in order (TSO); ``transport="auto"`` therefore picks shared memory only on x86-64.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from afdserve.comm.channel import RecvChannel, SendChannel
+from afdserve.comm.header import decode, encode_into, plan
+from afdserve.comm.message import Message, Meta
+from afdserve.comm.progress import Progress
+from afdserve.comm.shm import Segment
+from afdserve.comm.slots import SlotBuffer, slot_stride
+from afdserve.comm.errors import PeerDeadError
+
+CONTROL_BYTES = 4096
+MAGIC = 0xAFD5_4D00
+# word indices into the control block
+C_MAGIC, C_NONCE, C_SLOTS, C_SLOT_BYTES = 0, 1, 2, 3
+C_RECV_WAITING = 8  # written by the receiver
+C_SEND_WAITING = 16  # written by the sender
+C_SENDER_CLOSED = 24
+C_RECEIVER_CLOSED = 32
+C_FILLED = 64  # [MAX_SLOTS], written by the sender
+C_FREED = 128  # [MAX_SLOTS], written by the receiver
+
+
+def segment_bytes(num_slots: int, slot_bytes: int) -> int:
+    return CONTROL_BYTES + num_slots * slot_stride(slot_bytes)
+
+
+def _control(seg: Segment) -> np.ndarray:
+    return np.frombuffer(seg.mm, dtype=np.uint64, count=CONTROL_BYTES // 8)
+
+
+def create_pair_segment(num_slots: int, slot_bytes: int) -> tuple[Segment, int]:
+    """Receiver side: create the segment of one incoming pair; returns it and the nonce to verify."""
+    seg = Segment.create(segment_bytes(num_slots, slot_bytes))
+    nonce = secrets.randbits(63)
+    ctl = _control(seg)
+    ctl[C_NONCE], ctl[C_SLOTS], ctl[C_SLOT_BYTES] = nonce, num_slots, slot_bytes
+    ctl[C_MAGIC] = MAGIC
+    del ctl
+    return seg, nonce
+
+
+def attach_pair_segment(name: str, num_slots: int, slot_bytes: int, nonce: int) -> Segment:
+    """Sender side: map the receiver's segment and check it is the one announced."""
+    seg = Segment.attach(name, segment_bytes(num_slots, slot_bytes))
+    ctl = _control(seg)
+    ok = (int(ctl[C_MAGIC]) == MAGIC and int(ctl[C_NONCE]) == nonce and int(ctl[C_SLOTS]) == num_slots
+          and int(ctl[C_SLOT_BYTES]) == slot_bytes)
+    del ctl
+    if not ok:
+        seg.close()
+        raise ValueError(f"segment {name} does not carry the expected control block")
+    return seg
+
+
+class _ShmEnd:
+    def _init_mem(self, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+        self.seg = seg
+        self.ctl = _control(seg)
+        self.buf = SlotBuffer(num_slots, slot_bytes, mem=seg.mm, base=CONTROL_BYTES)
+
+    def _drop_mem(self) -> None:
+        self.buf.release()
+        self.ctl = np.zeros(CONTROL_BYTES // 8, dtype=np.uint64)
+        self.seg.close()
+
+
+class ShmSendChannel(SendChannel, _ShmEnd):
+    transport = "shm"
+
+    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(peer, sock, num_slots, slot_bytes)
+        self._init_mem(seg, num_slots, slot_bytes)
+
+    def _peer_closed_flag(self) -> bool:
+        return bool(self.ctl[C_RECEIVER_CLOSED])
+
+    def _arm(self, waiting: bool) -> None:
+        self.ctl[C_SEND_WAITING] = 1 if waiting else 0
+
+    def send(self, tensors: Sequence[torch.Tensor], meta: Meta, deadline: float, progress: Progress) -> None:
+        descs, total = plan(tensors, self.slot_bytes, self.peer)
+        self.check()
+        k = self.next_seq
+        s = k % self.num_slots
+        need = k - self.num_slots + 1
+        ctl = self.ctl
+        if need > 0 and int(ctl[C_FREED + s]) < need:
+            progress.wait(lambda: int(ctl[C_FREED + s]) >= need, self._arm, self.check, deadline,
+                          lambda: self._credit_timeout(k))
+        buf = self.buf
+        encode_into(buf.mv, buf.header_offset(s), k, meta, descs, total)
+        buf.write(s, tensors, descs)
+        ctl[C_FILLED + s] = k + 1  # the completion ("write with immediate")
+        self.next_seq = k + 1
+        if ctl[C_RECV_WAITING]:
+            self.ring()
+
+    def close(self) -> None:
+        self.ctl[C_SENDER_CLOSED] = 1
+        if self.ctl[C_RECV_WAITING]:
+            self.ring()
+        self.close_socket()
+        self._drop_mem()
+
+
+class ShmRecvChannel(RecvChannel, _ShmEnd):
+    transport = "shm"
+
+    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+        super().__init__(peer, sock, num_slots, slot_bytes)
+        self._init_mem(seg, num_slots, slot_bytes)
+
+    def _peer_closed_flag(self) -> bool:
+        return bool(self.ctl[C_SENDER_CLOSED])
+
+    def ready(self) -> bool:
+        k = self.next_seq
+        return int(self.ctl[C_FILLED + k % self.num_slots]) == k + 1
+
+    def arm(self, waiting: bool) -> None:
+        self.ctl[C_RECV_WAITING] = 1 if waiting else 0
+
+    def take(self, deadline: float) -> Message:
+        k = self.next_seq
+        s = k % self.num_slots
+        buf = self.buf
+        h = decode(buf.mv, buf.header_offset(s))
+        if h.seq != k:
+            self.mark_gone(PeerDeadError, f"protocol error: slot {s} holds message #{h.seq}, expected #{k}")
+            self.check()
+        self.held[s] = True
+        self.next_seq = k + 1
+        return Message(self.peer, k, h.meta, buf.tensors(s, h.tensors), h.payload_bytes,
+                       partial(self._release, k))
+
+    def _release(self, k: int) -> None:
+        s = k % self.num_slots
+        self.held[s] = False
+        ctl = self.ctl
+        ctl[C_FREED + s] = k + 1
+        if ctl[C_SEND_WAITING]:
+            self.ring()
+
+    def close(self) -> None:
+        self.ctl[C_RECEIVER_CLOSED] = 1
+        if self.ctl[C_SEND_WAITING]:
+            self.ring()
+        self.close_socket()
+        self._drop_mem()

@@ -1,0 +1,849 @@
+"""``afdserve profile --out PROFILE``: measure this machine's k1..k4, Util and runtime costs.
+
+Everything is timed with the code the runtime runs, one thread per process as the workers use:
+
+* **attention** (``k1_tok``, ``k1_ctx``, ``k2``): ``AttentionModel.pre_moe`` + ``post_moe`` of one
+  decode micro-batch of ``b_a`` sequences with ``s`` tokens of context in a paged ``KVCache``
+  (``AttnMetadata.build``, as the scheduler builds it), per layer;
+* **experts** (``k3``, ``k4``) for every number of experts a worker can hold (divisors of ``E``):
+  ``ExpertCompute.run`` over ``b_e`` token-expert pairs spread over all the worker's experts;
+* **transport** (``latency``, ``bandwidth`` => ``Util``): the real M2N library between two
+  processes (``afdserve.comm.Communicator`` wrapped in the runtime's ``Links``): one-way time of
+  a ping-pong, the sender's CPU time per ``send``, the receiver's per ``gather``/``recv``;
+* **runtime costs**: the attention worker's routing / dispatch / combine bookkeeping per
+  micro-batch and layer (the real ``PipelinedRunner`` over a loop-back link), and the per-step
+  overhead outside the layers (scheduling, embedding, LM head, sampling, detokenizing, shipping the
+  outputs) of the real ``Engine``.
+
+**Caches.** In a deployment the attention worker and the expert workers share the last-level cache
+(LLC) and each streams far more than it holds between two calls of the same layer (an expert worker
+reads every layer's weights once per step, the attention worker its LM head), so a layer never finds
+its weights cached.  Every timed call is therefore preceded by writing a buffer of twice the LLC's
+size (``--warm`` disables this; it makes CPU timings up to 2x optimistic).
+
+The fitted constants are saved with :func:`afdserve.planner.profile.save_profile` and read by
+``afdserve plan --profile`` and :func:`afdserve.planner.local.predict_iteration_time`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from afdserve.planner.profile import (
+    NetworkProfile,
+    Profile,
+    RuntimeCosts,
+    WireFormat,
+    fit,
+    fit_affine,
+    fit_expert,
+    fit_network,
+    save_profile,
+)
+
+__all__ = [
+    "ProfileGrid",
+    "DEFAULT_GRID",
+    "QUICK_GRID",
+    "CacheFlusher",
+    "measure_attention",
+    "measure_expert",
+    "TransportSamples",
+    "fit_runtime",
+    "summary",
+    "measure_transport",
+    "measure_step",
+    "run_profile",
+    "add_parser",
+    "main",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# grid
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProfileGrid:
+    """What to measure.  Sizes are clipped to what the model allows."""
+
+    batches: tuple[int, ...] = (1, 4, 16, 32, 64)  # b_a: sequences in one decode micro-batch
+    seq_lens: tuple[int, ...] = (16, 256, 1024)  # s: context tokens of every sequence
+    pairs_per_expert: tuple[int, ...] = (2, 4, 8, 16, 32, 64)  # b_e / experts held
+    experts_per_node: tuple[int, ...] | None = None  # default: every divisor of E
+    msg_tokens: tuple[int, ...] = (1, 16, 64, 256, 1024)  # tokens per M2N message
+    step_batches: tuple[int, ...] = (1, 8, 32, 64)  # sequences per engine step
+    dispatch_workers: tuple[int, ...] = (1, 2, 4)  # expert workers a micro-batch is dispatched to
+    repeats: int = 7  # timed calls per point (median)
+    transport_repeats: int = 60
+
+
+DEFAULT_GRID = ProfileGrid()
+QUICK_GRID = ProfileGrid(
+    batches=(1, 8, 32),
+    seq_lens=(16, 512),
+    pairs_per_expert=(2, 8, 32),
+    experts_per_node=None,
+    msg_tokens=(1, 64, 512),
+    step_batches=(1, 16, 48),
+    dispatch_workers=(1, 2),
+    repeats=3,
+    transport_repeats=20,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs; 32 MiB when unknown)."""
+    best = 0
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for idx in base.glob("index*"):
+        try:
+            text = (idx / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or (32 << 20)
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class CacheFlusher:
+    """Evicts the CPU caches by writing a buffer of ``factor`` x the LLC size (no-op when disabled)."""
+
+    def __init__(self, enabled: bool = True, factor: float = 2.0):
+        self.enabled = enabled
+        n = int(llc_bytes() * factor) if enabled else 0
+        self._buf = torch.empty(max(n // 4, 1), dtype=torch.float32)
+        self._val = 0.0
+
+    def __call__(self) -> None:
+        if self.enabled:
+            self._val += 1.0
+            self._buf.fill_(self._val)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None) -> float:
+    ts = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(statistics.median(ts))
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _load(model_path: Path, dtype: str):
+    from afdserve.model.config import ModelConfig
+    from afdserve.model.loader import CheckpointReader, parse_dtype
+
+    cfg = ModelConfig.from_pretrained(model_path)
+    return cfg, CheckpointReader(model_path), parse_dtype(dtype)
+
+
+def _runner(model: Any, kv: Any, links: Any, emap: Any, tracer: Any) -> Any:
+    """A ``PipelinedRunner`` built as ``runtime.workers.AttentionWorker`` builds it (m = 1, the
+    attention-side gate, and the expert-load tracker where the runtime has one)."""
+    import inspect
+
+    from afdserve.config import EngineConfig
+    from afdserve.runtime.pipeline import PipelinedRunner
+
+    kw: dict[str, Any] = {}
+    if "tracker" in inspect.signature(PipelinedRunner.__init__).parameters:
+        from afdserve.balance.load import LoadTracker
+
+        window = getattr(EngineConfig(), "load_window", 64)
+        kw["tracker"] = LoadTracker(model.cfg.num_layers, model.cfg.num_experts, window)
+    return PipelinedRunner(model, kv, links, emap, 1, "attention", tracer, timeout_s=1.0, **kw)
+
+
+def _expert_compute(experts: Any, num_layers: int, num_experts: int, held: int) -> Any:
+    """An ``ExpertCompute`` as ``runtime.workers.ExpertWorker`` builds it, for worker 0 holding
+    experts ``0 .. held-1`` (attention-side gate: no routers)."""
+    import inspect
+
+    from afdserve.runtime.expert_compute import ExpertCompute
+    from afdserve.runtime.expert_map import ExpertMap
+
+    params = inspect.signature(ExpertCompute.__init__).parameters
+    if "maps" not in params:  # the runtime before replicated experts
+        return ExpertCompute(experts, None)
+    sizes = [held] if held == num_experts else [held, num_experts - held]
+    return ExpertCompute(experts, None, 0, {0: ExpertMap.contiguous(num_layers, num_experts, len(sizes), sizes)})
+
+
+def _decode_meta(b: int, s: int, block_size: int):
+    """AttnMetadata of ``b`` decode sequences with ``s`` tokens each (the last one new), blocks laid
+    out one sequence after the other."""
+    from afdserve.model.attention import AttnMetadata
+
+    nb = -(-s // block_size)
+    slots = [torch.arange(i * nb * block_size, i * nb * block_size + s) for i in range(b)]
+    return AttnMetadata.build([1] * b, slots), b * nb
+
+
+# --------------------------------------------------------------------------------------------
+# attention: what the attention worker does per micro-batch and layer
+# --------------------------------------------------------------------------------------------
+class _Msg:
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def release(self) -> None:
+        pass
+
+
+class LoopbackLinks:
+    """Stands in for ``runtime.links.Links``: a ``send`` is recorded (no copy; sends are measured
+    with the transport) and the matching ``recv`` returns zeros of the size the expert worker would
+    send back.  ``on_recv`` runs inside the recv, where the worker would wait for the experts."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, on_recv: Callable[[], None] | None = None):
+        self.hidden, self.dtype, self.on_recv = hidden, dtype, on_recv
+        self.pending: dict[int, list[int]] = {}
+
+    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
+        self.pending.setdefault(peer, []).append(int(tensors[0].shape[0]))
+
+    def recv(self, peer: int, timeout: float) -> _Msg:
+        n = self.pending[peer].pop(0)
+        if self.on_recv is not None:
+            self.on_recv()
+        return _Msg([torch.zeros(n, self.hidden, dtype=self.dtype)])
+
+    def close(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def measure_attention(
+    model_path: Path,
+    points: Sequence[tuple[int, int, int]],
+    repeats: int,
+    flush: CacheFlusher,
+    dtype: str = "float32",
+    block_size: int = 16,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[list[float]]:
+    """``[b, s, n_e, seconds]`` for each ``(b, s, n_e)`` of ``points``: one decode micro-batch of
+    ``b`` sequences with ``s`` tokens of context through one layer of the attention worker, in the
+    order ``PipelinedRunner`` runs it -- ``_combine`` of the previous layer's expert results
+    (merge + ``post_moe``), ``pre_moe`` (attention over the paged ``KVCache`` + router) and
+    ``_dispatch`` to ``n_e`` expert workers (per-worker token selection; the sends go to a
+    loop-back link).  The caches are evicted before each call, where the worker would wait for the
+    expert workers.  Median over ``repeats`` calls cycling through the layers."""
+    from afdserve.kvcache.cache import KVCache
+    from afdserve.model.model import AttentionModel
+    from afdserve.runtime.expert_map import ExpertMap
+    from afdserve.runtime.trace import Tracer
+
+    cfg, reader, dt = _load(model_path, dtype)
+    model = AttentionModel.load(model_path, dt, cfg, reader)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for b, s, n_e in points:
+        s = max(2, min(int(s), cfg.max_position_embeddings - 1))
+        n_e = max(1, min(int(n_e), cfg.num_experts))
+        meta, blocks = _decode_meta(b, s, block_size)
+        kv = KVCache(cfg, blocks, block_size, dt)
+        kv.k.normal_(0, 1, generator=gen)
+        kv.v.normal_(0, 1, generator=gen)
+        emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, n_e)
+        runner = _runner(model, kv, LoopbackLinks(cfg.hidden_size, dt), emap, Tracer("profile"))
+        x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
+        cos_sin = model.rotary.cos_sin(meta.positions, dt)
+        state: dict[str, Any] = {"n": 0, "flight": None}
+
+        def call() -> None:
+            lyr = state["n"] % cfg.num_layers
+            state["n"] += 1
+            if state["flight"] is not None:
+                runner._combine(0, (lyr - 1) % cfg.num_layers, state["flight"])
+            h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+            state["flight"] = runner._dispatch(0, lyr, h, y, ids, w)
+
+        call()  # warm-up (allocator, kernels)
+        t = _median_time(call, repeats, flush)
+        out.append([float(b), float(s), float(n_e), t])
+        log(f"  attention b={b:<4} s={s:<5} n_e={n_e:<2} {t * 1e6:9.1f} us")
+    return out
+
+
+def attention_points(grid: "ProfileGrid", num_experts: int) -> list[tuple[int, int, int]]:
+    """The (b, s, n_e) grid: every b x s with one expert worker, and every b at the shortest s with
+    each other worker count (the per-worker cost of the dispatch)."""
+    pts = [(b, s, 1) for s in grid.seq_lens for b in grid.batches]
+    s0 = min(grid.seq_lens)
+    pts += [(b, s0, n) for n in grid.dispatch_workers if 1 < n <= num_experts for b in grid.batches]
+    return pts
+
+
+# --------------------------------------------------------------------------------------------
+# experts: Te(b_e) for each number of experts per worker
+# --------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def measure_expert(
+    model_path: Path,
+    experts_per_node: Sequence[int],
+    pairs_per_expert: Sequence[int],
+    repeats: int,
+    flush: CacheFlusher,
+    dtype: str = "float32",
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[int, list[list[float]]]:
+    """``{experts held: [[pairs, seconds], ...]}``: ``ExpertCompute.run`` of one layer over ``pairs``
+    token-expert pairs, every held expert receiving the same number (tokens pick K distinct
+    experts, all held by this worker)."""
+    from afdserve.model.model import ExpertModel
+
+    cfg, reader, dt = _load(model_path, dtype)
+    k = cfg.top_k
+    gen = torch.Generator().manual_seed(1)
+    out: dict[int, list[list[float]]] = {}
+    for epn in experts_per_node:
+        held = list(range(epn))
+        compute = _expert_compute(ExpertModel.load(model_path, held, dt, cfg, reader), cfg.num_layers,
+                                  cfg.num_experts, epn)
+        rows: list[list[float]] = []
+        for c in pairs_per_expert:
+            pairs = c * epn
+            kk = min(k, epn)
+            tokens = -(-pairs // kk)
+            # token t takes experts (t*kk + j) mod epn: every held expert gets pairs/epn pairs
+            ids = torch.tensor([[(t * kk + j) % epn for j in range(kk)] for t in range(tokens)], dtype=torch.int32)
+            if kk < k:  # the token's other experts live on other workers (id E = "elsewhere")
+                ids = torch.cat([ids, torch.full((tokens, k - kk), cfg.num_experts, dtype=torch.int32)], 1)
+            y = (torch.randn(tokens, cfg.hidden_size, generator=gen) * 0.1).to(dt)
+            w = torch.rand(tokens, k, generator=gen)
+            layer = [0]
+
+            def call() -> None:
+                lyr = layer[0] % cfg.num_layers
+                layer[0] += 1
+                compute.run(lyr, [[y, ids, w]])
+
+            call()
+            t = _median_time(call, repeats, flush)
+            real_pairs = tokens * kk
+            rows.append([float(real_pairs), t])
+            log(f"  experts={epn:<3} pairs={real_pairs:<5} {t * 1e6:9.1f} us")
+        out[epn] = rows
+        del compute
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# transport: the M2N library between two processes
+# --------------------------------------------------------------------------------------------
+def _message(tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """What the attention worker dispatches: y, expert ids (int32), weights (float32)."""
+    return [torch.randn(tokens, hidden).to(dtype), torch.zeros(tokens, top_k, dtype=torch.int32),
+            torch.rand(tokens, top_k)]
+
+
+def _links(name: str, peer: str, store_addr: tuple[str, int], group: str, slot_bytes: int):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from afdserve.comm import CommConfig, Communicator
+    from afdserve.runtime.links import Links
+
+    store = TCPStore(store_addr[0], store_addr[1], is_master=False, timeout=timedelta(seconds=60))
+    comm = Communicator(name, store, CommConfig(slot_bytes=slot_bytes, num_slots=4, deadline_s=10.0,
+                                                connect_timeout_s=60.0), group=group)
+    comm.connect(send_to=[peer], recv_from=[peer])
+    return Links(comm, [peer])
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _transport_peer(argv: Sequence[str]) -> None:
+    """The expert-worker side of :func:`measure_transport` (``python -m afdserve.planner.profiler
+    --transport-peer JSON``); sends its own timings back over the link at the end."""
+    import json
+
+    a = json.loads(argv[0])
+    torch.set_num_threads(1)
+    dt = getattr(torch, a["dtype"])
+    n, busy = a["repeats"], a["busy_s"]
+    links = _links("expert", "attention", tuple(a["store"]), a["group"], a["slot_bytes"])
+    try:
+        rows = []  # per size: [take a waiting message, reply to a spinning peer, reply to a sleeping peer]
+        for tokens in a["plan"]:
+            reply = [torch.randn(tokens, a["hidden"]).to(dt)]
+            take, fast, ring = [], [], []
+            for phase in ("fast", "asleep", "busy"):
+                for i in range(n + 2):
+                    if phase == "busy":
+                        _spin(busy)  # "computing" while the next message arrives
+                    t0 = time.perf_counter()
+                    for _i, msg in links.gather(30.0):
+                        msg.release()
+                    t1 = time.perf_counter()
+                    links.send(0, reply, (0, 0, 0, 0))
+                    t2 = time.perf_counter()
+                    if i >= 2:
+                        if phase == "busy":
+                            take.append(t1 - t0)
+                            ring.append(t2 - t1)  # the sender sleeps in recv by now
+                        else:
+                            fast.append(t2 - t1)
+            rows.append([statistics.median(take), statistics.median(fast), statistics.median(ring)])
+        links.send(0, [torch.tensor(rows, dtype=torch.float64)], (0, 0, 0, 2))
+        links.comm.recv("attention", timeout=30.0).release()  # the parent's goodbye
+    finally:
+        links.close()
+
+
+@dataclass
+class TransportSamples:
+    """Samples of :func:`measure_transport` (``[bytes, seconds]`` each)."""
+
+    oneway: list[list[float]] = field(default_factory=list)  # half the round trip, both sides spinning
+    send: list[list[float]] = field(default_factory=list)  # Links.send, receiver spinning or busy
+    send_ring: list[list[float]] = field(default_factory=list)  # Links.send, receiver asleep in poll
+    take: list[list[float]] = field(default_factory=list)  # gather + release of an arrived message
+    wake: list[list[float]] = field(default_factory=list)  # extra delay to a receiver asleep in poll
+
+    def as_dict(self) -> dict[str, list[list[float]]]:
+        return {"oneway": self.oneway, "send": self.send, "send_ring": self.send_ring, "take": self.take,
+                "wake": self.wake}
+
+
+def measure_transport(
+    hidden: int,
+    top_k: int,
+    msg_tokens: Sequence[int],
+    repeats: int,
+    dtype: str = "float32",
+    log: Callable[[str], None] = lambda s: None,
+) -> TransportSamples:
+    """Two processes connected by ``afdserve.comm`` as the runtime connects its workers (``Links``,
+    transport ``auto``: shared memory on one x86-64 machine), exchanging dispatch messages
+    ``[y, expert ids, weights]`` of ``tokens`` tokens and replies ``[partial sums]``, in three
+    phases per size:
+
+    * *fast*: each side sends as soon as it has the other's message (the receiver is still spinning):
+      half the round trip is the transport's one-way time (the planner's latency / bandwidth / Util);
+    * *asleep*: the sender computes 1 ms first, so the receiver has gone to sleep in ``poll``: the
+      extra round-trip time is the wake-up latency (and the sender's ``send`` rings the socket);
+    * *busy*: the receiver computes 1 ms before it looks, so the message is already there: the cost
+      of taking it (``gather`` + ``release``), as an expert worker between two rounds.
+    """
+    import json
+    import subprocess
+
+    from afdserve.runtime.launcher import start_store
+
+    dt = getattr(torch, dtype)
+    elem = torch.empty((), dtype=dt).element_size()
+    plan = [int(t) for t in msg_tokens]
+    slot_bytes = max(plan) * (hidden * 4 + top_k * 8) + 4 * 64
+    busy = 1e-3
+    store = start_store()
+    group = f"profile_{os.getpid()}_{secrets.token_hex(3)}"
+    arg = json.dumps({"store": list(store.addr), "group": group, "slot_bytes": slot_bytes, "plan": plan,
+                      "repeats": repeats, "hidden": hidden, "dtype": dtype, "busy_s": busy})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "afdserve.planner.profiler", "--transport-peer", arg], env=env)
+    res = TransportSamples()
+    links = None
+    try:
+        links = _links("attention", "expert", store.addr, group, slot_bytes)
+        mine = []
+        for tokens in plan:
+            msg = _message(tokens, hidden, top_k, dt)
+            fwd = sum(t.numel() * t.element_size() for t in msg)
+            back = tokens * hidden * elem
+            t_rtt: dict[str, list[float]] = {"fast": [], "asleep": []}
+            t_send: dict[str, list[float]] = {"fast": [], "asleep": []}
+            for phase in ("fast", "asleep", "busy"):
+                for i in range(repeats + 2):
+                    if phase == "asleep":
+                        _spin(busy)
+                    t0 = time.perf_counter()
+                    links.send(0, msg, (0, 0, 0, 0))
+                    t1 = time.perf_counter()
+                    links.recv(0, 30.0).release()
+                    if i >= 2 and phase in t_rtt:
+                        t_rtt[phase].append(time.perf_counter() - t0)
+                        t_send[phase].append(t1 - t0)
+            mine.append((fwd, back, {k: statistics.median(v) for k, v in t_rtt.items()},
+                         {k: statistics.median(v) for k, v in t_send.items()}))
+        msg = links.recv(0, 30.0)
+        peer_rows = msg.tensors[0].tolist()
+        msg.release()
+        links.send(0, [torch.zeros(1)], (0, 0, 0, 3))  # goodbye
+        for tokens, (fwd, back, rtt, snd), (take, reply_fast, reply_ring) in zip(plan, mine, peer_rows):
+            res.oneway.append([(fwd + back) / 2, rtt["fast"] / 2])
+            res.send += [[float(fwd), snd["fast"]], [float(back), reply_fast]]
+            res.send_ring += [[float(fwd), snd["asleep"]], [float(back), reply_ring]]
+            res.take.append([float(fwd), take])
+            wake = max(0.0, rtt["asleep"] - rtt["fast"] - (snd["asleep"] - snd["fast"]))
+            res.wake.append([float(fwd), wake])
+            log(f"  transport tokens={tokens:<5} {fwd:>9} B  one-way {rtt['fast'] / 2 * 1e6:7.1f} us  "
+                f"send {snd['fast'] * 1e6:6.1f} us (to a sleeper {snd['asleep'] * 1e6:6.1f})  "
+                f"take {take * 1e6:6.1f} us  wake-up {wake * 1e6:6.1f} us")
+        proc.wait(30)
+    finally:
+        if links is not None:
+            links.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        store.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"transport peer exited with code {proc.returncode}")
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# per-step overhead of the engine outside the layers
+# --------------------------------------------------------------------------------------------
+class _PipeSink:
+    """The worker's control pipe to the front end: a real pipe whose far end a thread drains."""
+
+    def __init__(self) -> None:
+        r, w = os.pipe()
+        self.conn = Connection(w, readable=False)
+        self._r = r
+        self._t = threading.Thread(target=self._drain, daemon=True)
+        self._t.start()
+
+    def _drain(self) -> None:
+        while os.read(self._r, 1 << 20):
+            pass
+
+    def close(self) -> None:
+        self.conn.close()
+        self._t.join(5)
+        os.close(self._r)
+
+
+def measure_step(
+    model_path: Path,
+    batches: Sequence[int],
+    repeats: int,
+    flush: CacheFlusher,
+    dtype: str = "float32",
+    prompt_len: int = 8,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[list[float]]:
+    """``[b, seconds]``: the per-step work of an attention worker outside its layers -- scheduling,
+    metadata, micro-batch split, embedding, LM head, sampling, detokenizing, and shipping the
+    outputs over a pipe as the worker does.  Timed with the real ``Engine`` driving the attention
+    worker's ``PipelinedRunner`` (loop-back links, one expert worker, ``m = 1``): a decode step's
+    time minus the span from its first layer's attention to its last layer's combine (from the
+    runner's own trace)."""
+    from afdserve.config import EngineConfig
+    from afdserve.engine.builder import build_attention_engine
+    from afdserve.engine.sampling_params import SamplingParams
+    from afdserve.model.config import ModelConfig
+    from afdserve.runtime.expert_map import ExpertMap
+    from afdserve.runtime.trace import Tracer
+
+    cfg_m = ModelConfig.from_pretrained(model_path)
+    out = []
+    sink = _PipeSink()
+    try:
+        for b in batches:
+            steps = repeats + 2
+            max_len = min(cfg_m.max_position_embeddings, prompt_len + steps + 8)
+            ecfg = EngineConfig(model=str(model_path), dtype=dtype, max_num_seqs=b, num_threads=1,
+                                max_model_len=max_len, num_kv_blocks=b * -(-max_len // 16) + 1)
+            eng = build_attention_engine(ecfg, Path(model_path), cfg_m, moe=lambda *a: None)
+            base = eng.runner
+            tracer = Tracer("profile", enabled=True)
+            links = LoopbackLinks(cfg_m.hidden_size, base.model.dtype, on_recv=flush)
+            emap = ExpertMap.contiguous(cfg_m.num_layers, cfg_m.num_experts, 1)
+            eng.runner = _runner(base.model, base.kv, links, emap, tracer)
+            gen = torch.Generator().manual_seed(3)
+            params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+            for i in range(b):
+                ids = torch.randint(3, cfg_m.vocab_size, (prompt_len,), generator=gen).tolist()
+                eng.add_request({"prompt_token_ids": ids}, params, request_id=f"p{i}")
+            eng.step()  # prefill
+            sink.conn.send(("out", [], {}))
+            ts = []
+            for _ in range(repeats):
+                flush()
+                tracer.spans.clear()
+                t0 = time.perf_counter()
+                outs = eng.step()
+                stats = {"running": len(eng.scheduler.running), "step_s": eng.last_step.seconds}
+                sink.conn.send(("out", outs, stats))
+                total = time.perf_counter() - t0
+                layer_spans = [sp for sp in tracer.spans if sp.name in ("attention", "send", "wait")]
+                first = min(sp.start_us for sp in layer_spans)
+                last = max(sp.start_us + sp.dur_us for sp in layer_spans)
+                ts.append(total - (last - first) / 1e6)
+            t = float(statistics.median(ts))
+            out.append([float(b), t])
+            log(f"  step overhead b={b:<4} {t * 1e3:8.3f} ms")
+            del eng
+    finally:
+        sink.close()
+    return out
+
+
+
+# --------------------------------------------------------------------------------------------
+# the whole profile
+# --------------------------------------------------------------------------------------------
+def _model_name(path: Path) -> str:
+    from afdserve.model.demo import demo_model_path
+
+    try:
+        if path.resolve() == demo_model_path().resolve():
+            return "demo"
+    except OSError:
+        pass
+    return path.name or str(path)
+
+
+def fit_runtime(transport: TransportSamples, attention: Sequence[Sequence[float]], cores: int,
+                spin_s: float) -> RuntimeCosts:
+    """Runtime costs from the transport samples and the attention rows with more than one expert
+    worker (see :class:`afdserve.planner.profile.RuntimeCosts`)."""
+    (send_s, send_b), _ = fit_affine([[1.0] * len(transport.send), [r[0] for r in transport.send]],
+                                     [r[1] for r in transport.send], relative=True)
+    ring = [r[1] - (send_s + send_b * r[0]) for r in transport.send_ring]
+    one = {(r[0], r[1]): r[3] for r in attention if r[2] == 1}
+    extra = [(r[3] - one[(r[0], r[1])]) / (r[2] - 1) for r in attention if r[2] > 1 and (r[0], r[1]) in one]
+    return RuntimeCosts(
+        cores=cores,
+        send_s=send_s,
+        send_per_byte_s=send_b,
+        ring_s=max(0.0, float(np.median(ring))) if ring else 0.0,
+        take_s=float(np.median([r[1] for r in transport.take])) if transport.take else 0.0,
+        wake_s=float(np.median([r[1] for r in transport.wake])) if transport.wake else 0.0,
+        spin_s=spin_s,
+        dispatch_per_worker_s=max(0.0, float(np.median(extra))) if extra else 0.0,
+    )
+
+
+def run_profile(
+    model: str | Path | None = None,
+    grid: ProfileGrid = DEFAULT_GRID,
+    *,
+    dtype: str = "float32",
+    evict: bool = True,
+    gpu: str = "cpu",
+    log: Callable[[str], None] = lambda s: None,
+) -> Profile:
+    """Measures everything (see the module docstring) and fits a :class:`Profile`."""
+    from afdserve.comm import CommConfig
+    from afdserve.engine.builder import resolve_model
+    from afdserve.model.config import ModelConfig
+
+    torch.set_num_threads(1)
+    path = resolve_model(None if model is None else str(model))
+    cfg = ModelConfig.from_pretrained(path)
+    flush = CacheFlusher(evict)
+    t_start = time.perf_counter()
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+    log(f"profiling {path} ({dtype}) on {cpu_name()}, {cpu_cores()} cores; LLC {llc_bytes() >> 20} MiB"
+        f"{' evicted before every timed call' if evict else ' (warm: not evicted)'}")
+    log("attention worker, per micro-batch and layer:")
+    att = measure_attention(path, attention_points(grid, cfg.num_experts), grid.repeats, flush, dtype, log=log)
+    log("expert worker, per layer:")
+    epns = grid.experts_per_node or _divisors(cfg.num_experts)
+    epns = tuple(e for e in epns if 1 <= e <= cfg.num_experts and cfg.num_experts % e == 0)
+    exp = measure_expert(path, epns, grid.pairs_per_expert, grid.repeats, flush, dtype, log=log)
+    log("M2N transport (afdserve.comm between two processes):")
+    tr = measure_transport(cfg.hidden_size, cfg.top_k, grid.msg_tokens, grid.transport_repeats, dtype, log=log)
+    log("engine step outside the layers:")
+    step = measure_step(path, grid.step_batches, grid.repeats, flush, dtype, log=log)
+
+    att_1 = [[r[0], r[1], r[3]] for r in att if r[2] == 1]
+    try:
+        network = fit_network(tr.oneway)
+    except ValueError:  # sizes too small (or too noisy) to see the bandwidth: bound it by memcpy's
+        from afdserve.comm.bench import memcpy_gbps
+
+        network = NetworkProfile(latency_s=float(np.median([r[1] for r in tr.oneway])),
+                                 bandwidth_Bps=memcpy_gbps(64 << 20, 3) * 1e9)
+        log(f"  (one-way time does not grow with these sizes: bandwidth bounded by memcpy, "
+            f"{network.bandwidth_Bps / 1e9:.1f} GB/s)")
+    prof = fit(
+        _model_name(path),
+        attention_samples=att_1,
+        gpu=gpu,
+        wire=WireFormat(act_bytes=elem, meta_bytes_per_token=cfg.top_k * 8, dispatch="routed"),
+        device=f"{cpu_name()} ({cpu_cores()} cores, 1 thread per worker)",
+    )
+    experts = tuple(fit_expert(rows, tp=1, experts_per_node=e, gpu=gpu) for e, rows in exp.items())
+    (fixed, per_tok), _ = fit_affine([[1.0] * len(step), [r[0] for r in step]], [r[1] for r in step])
+    runtime = fit_runtime(tr, att, cpu_cores(), CommConfig().spin_s)
+    samples = dict(prof.samples or {})
+    samples["attention_workers"] = [list(map(float, r)) for r in att]
+    samples["expert"] = [[float(e), r[0], r[1]] for e, rows in exp.items() for r in rows]
+    samples.update({f"transport_{k}": v for k, v in tr.as_dict().items()})
+    samples["step"] = step
+    took = time.perf_counter() - t_start
+    notes = (f"afdserve profile: {len(att)} attention, {sum(len(v) for v in exp.values())} expert, "
+             f"{len(tr.oneway)} transport, {len(step)} step points; median of {grid.repeats} calls "
+             f"({grid.transport_repeats} round trips); caches {'evicted before each call' if evict else 'warm'}; "
+             f"dtype {dtype}; torch {torch.__version__}; {took:.0f} s")
+    samples["network"] = [list(map(float, r)) for r in tr.oneway]
+    return replace(prof, expert=experts, network=network, step_fixed_s=fixed, step_per_token_s=per_tok, runtime=runtime,
+                   samples=samples, notes=notes)
+
+
+def summary(prof: Profile) -> str:
+    """The fitted constants, one per line."""
+    lines = [f"model {prof.model}; device {prof.device}"]
+    for a in prof.attention:
+        lines.append(f"attention (tp {a.tp}): Ta = (k1_tok + k1_ctx*s)*b + k2: k1_tok {a.k1_tok * 1e6:.3f} us, "
+                     f"k1_ctx {a.k1_ctx * 1e9:.3f} ns, k2 {a.k2 * 1e6:.1f} us "
+                     f"(rmse {0 if a.rmse_s is None else a.rmse_s * 1e6:.1f} us, {a.n_samples} points)")
+    for e in prof.expert:
+        lines.append(f"experts x{e.experts_per_node:<2} Te = k3*b_e + k4: k3 {e.k3 * 1e6:.3f} us, "
+                     f"k4 {e.k4 * 1e6:.1f} us (rmse {0 if e.rmse_s is None else e.rmse_s * 1e6:.1f} us)")
+    if prof.network is not None:
+        n = prof.network
+        u = n.util_curve()
+        lines.append(f"M2N one-way: latency {n.latency_s * 1e6:.1f} us, bandwidth {n.bandwidth_Bps / 1e9:.2f} GB/s; "
+                     f"Util(64 KiB) {u(65536):.2f}, Util(1 MiB) {u(1 << 20):.2f}")
+    lines.append(f"step overhead: {prof.step_fixed_s * 1e3:.3f} ms + {prof.step_per_token_s * 1e6:.1f} us/sequence")
+    if prof.runtime is not None:
+        r = prof.runtime
+        lines.append(f"runtime: send {r.send_s * 1e6:.1f} us + {r.send_per_byte_s * 1e12:.1f} ps/B "
+                     f"(+{r.ring_s * 1e6:.1f} us to a sleeper), take {r.take_s * 1e6:.1f} us, "
+                     f"wake-up {r.wake_s * 1e6:.1f} us, dispatch +{r.dispatch_per_worker_s * 1e6:.1f} us/expert "
+                     f"worker, {r.cores} cores")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError("expected positive integers")
+    return vals
+
+
+def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--out", type=Path, required=True, help="where to write the profile (JSON)")
+    p.add_argument("--model", default=None, help="model folder (default: the built-in demo model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations, as the deployment will run (default float32)")
+    p.add_argument("--quick", action="store_true", help="a small grid (about a third of the time)")
+    p.add_argument("--batches", type=_ints, help="attention micro-batch sizes b_a")
+    p.add_argument("--seq-lens", type=_ints, help="context lengths s")
+    p.add_argument("--pairs-per-expert", type=_ints, help="token-expert pairs per held expert")
+    p.add_argument("--experts-per-node", type=_ints, help="expert counts per worker (default: divisors of E)")
+    p.add_argument("--msg-tokens", type=_ints, help="tokens per M2N message")
+    p.add_argument("--step-batches", type=_ints, help="sequences per engine step")
+    p.add_argument("--repeats", type=int, help="timed calls per point (median)")
+    p.add_argument("--warm", action="store_true", help="do not evict the caches before timed calls")
+    p.add_argument("--gpu", default="cpu", help="device label of the entries (catalog name; default cpu)")
+    p.add_argument("--quiet", action="store_true", help="print only the summary")
+    return p
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Register ``profile`` on the main CLI's subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "profile",
+        help="measure k1..k4, Util and runtime costs of this machine for the planner",
+        description="Run the real attention/expert code and M2N transport over a grid, fit the planner's "
+                    "constants and save them (afdserve plan --profile, planner.predict_iteration_time).",
+    )
+    _configure(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
+    g = QUICK_GRID if args.quick else DEFAULT_GRID
+    over: dict[str, Any] = {}
+    for name in ("batches", "seq_lens", "pairs_per_expert", "experts_per_node", "msg_tokens", "step_batches"):
+        if getattr(args, name, None):
+            over[name] = tuple(getattr(args, name))
+    if args.repeats:
+        if args.repeats < 1:
+            raise argparse.ArgumentTypeError("--repeats must be >= 1")
+        over["repeats"] = args.repeats
+    return replace(g, **over)
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        argv = list(sys.argv[1:] if args is None else args)
+        if argv and argv[0] == "profile":
+            argv = argv[1:]
+        args = _configure(argparse.ArgumentParser(prog="afdserve profile")).parse_args(argv)
+    log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    t0 = time.perf_counter()
+    prof = run_profile(args.model, grid_from_args(args), dtype=args.dtype, evict=not args.warm, gpu=args.gpu,
+                       log=log)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(prof, args.out)
+    print(summary(prof))
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--transport-peer":
+        _transport_peer(sys.argv[2:])
+    else:
+        sys.exit(main())

@@ -1,0 +1,338 @@
+"""Runs an engine (the colocated ``Engine`` or a ``LocalCluster``) in one dedicated thread, apart from
+the HTTP server's event loop.
+
+The engine thread owns the engine: between steps it takes new requests and aborts from a
+thread-safe queue, then steps, then hands the step's outputs to the event loop with one
+``call_soon_threadsafe``. It never waits on HTTP: each request keeps only its *latest* output
+(outputs are cumulative), so a slow client costs memory for one output, not a queue, and never a
+stall. When nothing runs, the thread blocks on its queue (the cluster's is polled every 50 ms to
+collect worker stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from afdserve.engine.outputs import CompletionOutput, RequestOutput
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import TokenizerInfo
+from afdserve.serving.engine_stats import EngineStats, StatsSource, stats_source
+
+log = logging.getLogger("afdserve.serving")
+
+
+class EngineOverloaded(Exception):
+    """More requests in flight than the server admits; retry later."""
+
+
+class EngineUnavailable(Exception):
+    """The deployment failed (a worker died) or is shutting down."""
+
+
+class EngineLike(Protocol):
+    tok: TokenizerInfo | None
+    max_model_len: int
+
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]: ...
+    def add_request(self, prompt: str | dict | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+    def abort(self, request_id: str) -> Any: ...
+    def has_unfinished(self) -> bool: ...
+
+
+class Observer(Protocol):
+    """Receives request timings (called on the event loop thread)."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def between_tokens(self, seconds: float, count: int) -> None: ...
+    def finished(self, reason: str, seconds: float) -> None: ...
+    def micro_batches(self, sizes: list[int]) -> None: ...
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class GenerationStream:
+    """The outputs of one API request's prompts as they are generated. Iterating yields, each time,
+    the prompts (by index) whose output changed since the last time, with their latest cumulative
+    ``RequestOutput``; it ends when every prompt has finished. ``abort`` cancels what is left."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_prompts: int):
+        self._engine, self.request_id = engine, request_id
+        self.latest: list[RequestOutput | None] = [None] * num_prompts
+        self._done = [False] * num_prompts
+        self._changed: set[int] = set()
+        self._event = asyncio.Event()
+        self.error: str | None = None
+
+    def engine_id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    @property
+    def finished(self) -> bool:
+        return all(self._done)
+
+    def _push(self, index: int, out: RequestOutput) -> None:
+        if self._done[index]:
+            return
+        self.latest[index] = out
+        self._changed.add(index)
+        if out.finished:
+            self._done[index] = True
+            if out.error and self.error is None:
+                self.error = out.error
+        self._event.set()
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> list[tuple[int, RequestOutput]]:
+        while not self._changed:
+            if self.finished:
+                raise StopAsyncIteration
+            await self._event.wait()
+            self._event.clear()
+        changed = sorted(self._changed)
+        self._changed.clear()
+        return [(i, self.latest[i]) for i in changed]  # type: ignore[misc]
+
+    async def final(self) -> list[RequestOutput]:
+        async for _ in self:
+            pass
+        return list(self.latest)  # type: ignore[arg-type]
+
+    def abort(self) -> None:
+        """Aborts the unfinished prompts (idempotent); their KV blocks are freed by the next step."""
+        self._engine._abort(self)
+
+
+@dataclass
+class _Track:
+    stream: GenerationStream
+    index: int
+    arrival: float
+    tokens: int = 0
+    last: float = 0.0
+
+
+class AsyncEngine:
+    """The engine behind the HTTP server. Call ``start`` from the event loop, ``shutdown`` at the end."""
+
+    def __init__(self, engine: EngineLike, *, max_in_flight: int, observer: Observer | None = None,
+                 poll_s: float = 0.005, stats_interval_s: float = 1.0):
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self.observer = observer
+        self.poll_s, self.stats_interval_s = poll_s, stats_interval_s
+        self.is_cluster = not hasattr(engine, "scheduler")
+        self._source: StatsSource = stats_source(engine)
+        self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._tracks: dict[str, _Track] = {}  # engine request id -> its stream (event loop thread only)
+        self._snapshot = EngineStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: str | None = None
+        self._closing = False
+        self._closed = False
+        self._stats_failed = False
+
+    # ---- properties the server reads -----------------------------------------------------
+    @property
+    def tokenizer(self) -> TokenizerInfo | None:
+        return self.engine.tok
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def failed(self) -> str | None:
+        return self._failed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tracks)
+
+    def stats(self) -> EngineStats:
+        return self._snapshot
+
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """Validates and tokenizes a prompt (read-only on the engine: safe from any thread)."""
+        return self.engine.tokenize(prompt)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="afdserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the engine thread, fails what is still in flight, and shuts the engine down."""
+        if self._closed:
+            return
+        self._closed = self._closing = True
+        self._queue.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for tr in list(self._tracks.values()):
+            tr.stream._push(tr.index, _error_output(tr.stream.engine_id(tr.index), "the server is shutting down"))
+        self._tracks.clear()
+        close = getattr(self.engine, "shutdown", None)
+        if close is not None:
+            close()
+
+    # ---- requests (event loop thread) ----------------------------------------------------
+    def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams) -> GenerationStream:
+        """Queues the prompts of one API request; raises EngineUnavailable or EngineOverloaded."""
+        if self._failed:
+            raise EngineUnavailable(f"the deployment failed: {self._failed}")
+        if self._closing or self._thread is None:
+            raise EngineUnavailable("the server is not running")
+        if len(self._tracks) + len(prompts) > self.max_in_flight:
+            raise EngineOverloaded(f"{len(self._tracks)} requests in flight (at most {self.max_in_flight})")
+        stream = GenerationStream(self, request_id, len(prompts))
+        now = time.monotonic()
+        for i, p in enumerate(prompts):
+            rid = stream.engine_id(i)
+            self._tracks[rid] = _Track(stream, i, now)
+            self._queue.put(("add", rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, params))
+        return stream
+
+    def _abort(self, stream: GenerationStream) -> None:
+        for i in range(len(stream.latest)):
+            rid = stream.engine_id(i)
+            tr = self._tracks.pop(rid, None)
+            if tr is not None:
+                if self.observer:
+                    self.observer.finished("abort", time.monotonic() - tr.arrival)
+                stream._done[i] = True
+                self._queue.put(("abort", rid))
+        stream._event.set()
+
+    def _deliver(self, outs: list[RequestOutput], t: float) -> None:
+        obs = self.observer
+        for out in outs:
+            tr = self._tracks.get(out.request_id)
+            if tr is None:
+                continue  # aborted meanwhile
+            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            if n > tr.tokens and obs:
+                if tr.tokens == 0:
+                    obs.first_token(t - tr.arrival)
+                else:
+                    obs.between_tokens(t - tr.last, n - tr.tokens)
+            if n > tr.tokens:
+                tr.tokens, tr.last = n, t
+            if out.finished:
+                del self._tracks[out.request_id]
+                if obs:
+                    reason = "error" if out.error else (out.outputs[0].finish_reason if out.outputs else None) or "error"
+                    obs.finished(reason, t - tr.arrival)
+            tr.stream._push(tr.index, out)
+
+    def _fail_all(self, reason: str) -> None:
+        self._deliver([_error_output(rid, reason) for rid in list(self._tracks)], time.monotonic())
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        eng, src = self.engine, self._source
+        next_refresh = time.monotonic()
+        try:
+            while True:
+                busy = eng.has_unfinished()
+                if busy:
+                    wait = None
+                elif self.is_cluster:
+                    wait = 0.05  # then drain the workers' stats replies
+                else:
+                    wait = max(0.0, next_refresh - time.monotonic())
+                outs: list[RequestOutput] = []
+                for cmd in self._take(wait):
+                    if cmd[0] == "stop":
+                        return
+                    outs += self._apply(cmd)
+                t0 = time.perf_counter()
+                if self.is_cluster:
+                    outs += eng.step(self.poll_s if eng.has_unfinished() else 0.0)  # type: ignore[call-arg]
+                elif eng.has_unfinished():
+                    outs += eng.step()  # type: ignore[attr-defined]
+                sizes = self._stats(src.after_step, time.perf_counter() - t0) or []
+                now = time.monotonic()
+                if now >= next_refresh:
+                    self._stats(src.refresh)
+                    next_refresh = now + self.stats_interval_s
+                self._snapshot = self._stats(src.snapshot, self._queue.qsize()) or self._snapshot
+                failed = getattr(eng, "failed", None)
+                if failed and not self._failed:
+                    self._failed = failed
+                    log.error("deployment failed: %s", failed)
+                if (outs or sizes) and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._on_step, _latest(outs), sizes, now)
+        except BaseException as e:  # a bug or a broken engine: fail everything, refuse new requests
+            reason = f"engine loop failed: {type(e).__name__}: {e}"
+            log.exception("engine loop failed")
+            self._failed = reason
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def _stats(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Stats never stop serving: a failure is logged (once) and the figures go stale."""
+        try:
+            return fn(*args)
+        except Exception:
+            if not self._stats_failed:
+                self._stats_failed = True
+                log.exception("reading the deployment's stats failed; metrics may be stale")
+            return None
+
+    def _on_step(self, outs: list[RequestOutput], sizes: list[int], t: float) -> None:
+        if sizes and self.observer:
+            self.observer.micro_batches(sizes)
+        if outs:
+            self._deliver(outs, t)
+
+    def _take(self, wait: float | None) -> list[tuple]:
+        """Every queued command; blocks up to ``wait`` seconds for the first (None: don't block)."""
+        cmds = []
+        try:
+            cmds.append(self._queue.get(timeout=wait) if wait else self._queue.get_nowait())
+            while True:
+                cmds.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return cmds
+
+    def _apply(self, cmd: tuple) -> list[RequestOutput]:
+        if cmd[0] == "add":
+            _, rid, prompt, params = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except Exception as e:  # validated already; a failed deployment refuses here
+                return [_error_output(rid, f"{type(e).__name__}: {e}")]
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+        return []
+
+
+def _latest(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """The last output of each request (a cluster step may bring several; they are cumulative)."""
+    if len(outs) < 2:
+        return outs
+    by_id: dict[str, RequestOutput] = {}
+    for o in outs:
+        by_id.pop(o.request_id, None)
+        by_id[o.request_id] = o
+    return list(by_id.values())
+
+
+def _error_output(rid: str, reason: str) -> RequestOutput:
+    return RequestOutput(rid, None, [], [CompletionOutput(0, "", [], "abort")], finished=True, error=reason)

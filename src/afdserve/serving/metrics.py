@@ -1,0 +1,102 @@
+"""The server's Prometheus metrics (``GET /metrics``).
+
+Request metrics are recorded as requests progress (the ``Observer`` of ``AsyncEngine`` and the
+HTTP status middleware); deployment metrics are read from the engine thread's latest
+``EngineStats`` snapshot at scrape time. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from afdserve.serving.engine_stats import EngineStats
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+MICRO_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _Snapshot(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+        self.stats, self.in_flight = stats, in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        yield GaugeMetricFamily("afdserve_num_requests_running", "Requests in the running batch", value=s.running)
+        yield GaugeMetricFamily("afdserve_num_requests_waiting", "Requests waiting to be scheduled", value=s.waiting)
+        yield GaugeMetricFamily("afdserve_num_requests_in_flight", "Requests (prompts) accepted and not finished",
+                                value=self.in_flight())
+        kv = GaugeMetricFamily("afdserve_kv_cache_usage_ratio", "Used fraction of the KV-cache blocks",
+                               labels=["worker"])
+        for w, v in sorted(s.kv_usage.items()):
+            kv.add_metric([w], v)
+        yield kv
+        tok = CounterMetricFamily("afdserve_expert_tokens", "Tokens routed to each expert", labels=["layer", "expert"])
+        for layer, row in enumerate(s.expert_tokens):
+            for e, n in enumerate(row):
+                tok.add_metric([str(layer), str(e)], n)
+        yield tok
+        ew = CounterMetricFamily("afdserve_expert_worker_tokens", "Tokens sent to each expert worker (all layers)",
+                                 labels=["worker"])
+        for w, n in sorted(s.expert_worker_tokens.items()):
+            ew.add_metric([w], n)
+        yield ew
+        bs = CounterMetricFamily("afdserve_worker_busy_seconds", "Busy seconds of each worker (colocated engine: "
+                                 "step time; worker processes: CPU time per torch thread)", labels=["worker"])
+        for w, v in sorted(s.busy_seconds.items()):
+            bs.add_metric([w], v)
+        yield bs
+        bf = GaugeMetricFamily("afdserve_worker_busy_ratio", "Busy fraction of each worker over the last stats "
+                               "interval", labels=["worker"])
+        for w, v in sorted(s.busy_fraction.items()):
+            bf.add_metric([w], v)
+        yield bf
+
+
+class ServingMetrics:
+    """Implements ``async_engine.Observer``; ``render`` is the Prometheus text exposition."""
+
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("afdserve_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finish = Counter("afdserve_request_finish", "Generations (one per prompt) ended, by reason "
+                              "(stop, length, abort, error)", ["reason"], registry=r)
+        self.ttft = Histogram("afdserve_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tbt = Histogram("afdserve_time_between_tokens_seconds", "Time between consecutive output tokens",
+                             buckets=TBT_BUCKETS, registry=r)
+        self.e2e = Histogram("afdserve_e2e_request_latency_seconds", "Time from arrival to the last token of "
+                             "generations that finished (stop or length)", buckets=E2E_BUCKETS, registry=r)
+        self.micro_batch = Histogram("afdserve_micro_batch_tokens", "Tokens per micro-batch of each step",
+                                     buckets=MICRO_BATCH_BUCKETS, registry=r)
+        r.register(_Snapshot(stats, in_flight))
+
+    # ---- Observer -----------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def between_tokens(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.tbt.observe(seconds / count)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.finish.labels(reason).inc()
+        if reason in ("stop", "length"):
+            self.e2e.observe(seconds)
+
+    def micro_batches(self, sizes: list[int]) -> None:
+        for n in sizes:
+            self.micro_batch.observe(n)
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""The OpenAI API's request and response bodies (the subset afdserve serves), as pydantic models.
+
+Requests are strict (``"1"`` is not a number, ``true`` is not an integer; an integral float such as
+``16.0`` is an integer, as in JSON Schema) and reject unknown fields, like OpenAI's API; afdserve's extensions are ``top_k``, ``ignore_eos`` and
+``return_token_ids``. The models also make the server's OpenAPI schema (``/openapi.json``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _integral(v: Any) -> Any:
+    """JSON Schema counts 16.0 as an integer: accept integral floats, nothing else."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+INTEGRAL = BeforeValidator(_integral)  # after the constraints, so that they stay in the JSON schema
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0), INTEGRAL]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), INTEGRAL]
+Stop = str | list[str] | None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completion and chat requests."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Float] | None = None
+    user: str | None = None
+    # afdserve extensions (as in vLLM)
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(None, description="sample from the k most likely tokens (-1: all)")
+    ignore_eos: bool | None = Field(False, description="keep generating after the end-of-sequence token")
+    return_token_ids: bool | None = Field(False, description="also return the generated token ids of each choice")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="a string, a list of token ids, or a batch of either")
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = 16
+    echo: bool | None = False
+    suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5), INTEGRAL] | None = None
+    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "afdserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
