@@ -12,7 +12,7 @@ contiguous placement, so that worker is the straggler of every layer.
 Reports decode throughput, the max/mean load ratio of the expert workers (token-expert pairs
 computed), and whether greedy outputs are identical.
 
-    python benchmarks/balance.py [--json out/balance.json] [--plot out/balance.png]
+    python benchmarks/balance.py [--json out/balance.json] [--plot out/balance.png] [--cluster ray [--ray-address A]]
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ def worker_loads(llm) -> list[int]:
     return [int(torch.tensor(stats[n]["tokens_per_expert"])[:, :-1].sum()) for n in sorted(llm.engine.experts)]
 
 
-def measure(path: Path, batch: int, tokens: int, prompt_len: int, replicate: bool, slots: int) -> dict:
+def measure(path: Path, batch: int, tokens: int, prompt_len: int, replicate: bool, slots: int,
+            cluster: str = "local") -> dict:
     from afdserve import LLM, SamplingParams
 
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(prompt_len)]} for _ in range(batch)]
-    kw = dict(expert_workers=2, micro_batches=2, num_threads=1, max_num_seqs=batch, kv_cache_gb=0.5)
+    kw = dict(expert_workers=2, micro_batches=2, num_threads=1, max_num_seqs=batch, kv_cache_gb=0.5, cluster=cluster)
     with LLM(str(path), **kw) as llm:
         greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
         llm.generate(prompts, greedy(4))  # warm-up; records the expert load
@@ -99,11 +100,18 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/afdserve/skewed-demo-v2"))
     ap.add_argument("--json", default="out/balance.json")
     ap.add_argument("--plot", default="out/balance.png")
+    ap.add_argument("--cluster", default="local", choices=["local", "ray"],
+                    help="workers as local processes or Ray actors (docs/ray.md)")
+    ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.cluster == "ray":
+        import ray
+
+        ray.init(address=args.ray_address)  # once: both deployments join this connection
     path = skewed_checkpoint(Path(args.model_dir))
-    no = measure(path, args.batch, args.tokens, args.prompt_len, False, 4)
-    rep = measure(path, args.batch, args.tokens, args.prompt_len, True, args.slots)
+    no = measure(path, args.batch, args.tokens, args.prompt_len, False, 4, args.cluster)
+    rep = measure(path, args.batch, args.tokens, args.prompt_len, True, args.slots, args.cluster)
     res = {"throughput_no_replicas": no["decode_tok_s"], "throughput_replicas": rep["decode_tok_s"],
            "max_mean_load_no_replicas": no["max_mean_load"], "max_mean_load_replicas": rep["max_mean_load"],
            "outputs_identical": no["outputs"] == rep["outputs"],

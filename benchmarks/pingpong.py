@@ -10,6 +10,10 @@ Each worker process uses one thread; the colocated engine uses as many threads a
 disaggregated deployment has processes.
 
     python benchmarks/pingpong.py [--batch 64] [--tokens 48] [--json out/pingpong.json] [--trace-dir out]
+                                  [--cluster ray [--ray-address ADDRESS]]
+
+With ``--cluster ray`` the disaggregated deployments run as Ray actors (attention workers on nodes
+with the ``attention_node`` resource, expert workers on ``expert_node`` nodes; docs/ray.md).
 """
 
 from __future__ import annotations
@@ -65,7 +69,14 @@ def main() -> None:
     ap.add_argument("--json", default="out/pingpong.json")
     ap.add_argument("--trace-dir", default="out")
     ap.add_argument("--only", default="m,na,coloc", help="which comparisons to run")
+    ap.add_argument("--cluster", default="local", choices=["local", "ray"],
+                    help="disaggregated deployments as local processes or Ray actors (docs/ray.md)")
+    ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
     args = ap.parse_args()
+    if args.cluster == "ray":
+        import ray
+
+        ray.init(address=args.ray_address)  # once: every deployment below joins this connection
     os.makedirs(args.trace_dir, exist_ok=True)
     from afdserve.model.config import ModelConfig
     from afdserve.model.demo import demo_model_path
@@ -76,6 +87,8 @@ def main() -> None:
 
     def go(name: str, kw: dict, batch: int, trace: bool = False) -> dict:
         path = os.path.join(args.trace_dir, f"trace_{name}.json") if trace else None
+        if args.cluster == "ray" and kw.get("expert_workers", 0) > 0:
+            kw = dict(kw, cluster="ray")
         r = measure(kw, batch, args.tokens, args.prompt_len, vocab, args.repeats, path)
         r["trace"] = path
         busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())

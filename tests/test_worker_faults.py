@@ -38,13 +38,12 @@ def test_expert_worker_killed_mid_decode(tiny_mixtral):
     result: dict = {}
 
     def run():
-        t = time.monotonic()
         try:
             llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 4,
                          SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
         except Exception as e:  # noqa: BLE001
             result["error"] = e
-        result["t"] = time.monotonic() - t
+        result["t"] = time.monotonic()
 
     th = threading.Thread(target=run)
     th.start()
@@ -55,7 +54,7 @@ def test_expert_worker_killed_mid_decode(tiny_mixtral):
     assert not th.is_alive(), "generate hung after a worker died"
     assert isinstance(result.get("error"), WorkerError)
     assert "expert1" in str(result["error"])
-    assert time.monotonic() - killed_at < 5.0
+    assert result["t"] - killed_at < 1.0, "in-flight requests must fail within a second"
     llm.shutdown()
     time.sleep(0.5)
     assert not any(_alive(p) for p in pids)

@@ -32,8 +32,18 @@ class EngineConfig:
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
     load_window: int = 64  # engine steps of expert load kept for balancing and /metrics
     attention_cost: str | None = None  # planner profile (afdserve profile) used to balance attention workers
+    # where the workers run: "local" (processes on this machine) or "ray" (Ray actors across nodes)
+    cluster: str = "local"
+    ray_address: str | None = None  # cluster="ray": ray.init address (None: RAY_ADDRESS, a local cluster, or a new one)
+    deployment: str | None = None  # deployment spec file (TOML, afdserve.cluster.spec); its values override these
 
     def __post_init__(self) -> None:
+        if self.deployment is not None:  # the spec file sets workers, micro-batches, gate, expert split, threads
+            from afdserve.cluster.spec import load_deployment
+
+            for name, value in load_deployment(self.deployment).engine_overrides().items():
+                setattr(self, name, value)
+
         def check(name: str, ok: bool, why: str) -> None:
             if not ok:
                 raise ConfigError(f"invalid {name}={getattr(self, name)!r}: {why}")
@@ -56,6 +66,17 @@ class EngineConfig:
         check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
               "must be > 0")
+        check("cluster", self.cluster in ("local", "ray"), "use 'local' or 'ray'")
+        check("ray_address", self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address != ""),
+              "must be a non-empty string or None")
+        check("ray_address", not str(self.ray_address).startswith("ray://"),
+              "Ray Client is not supported (workers connect back to the front end): give the cluster's GCS "
+              "address (HEAD_IP:6379) and run on a machine the nodes can reach")
+        if self.cluster == "ray":
+            check("expert_workers", self.expert_workers >= 1,
+                  "cluster='ray' runs attention and expert workers as Ray actors: needs expert_workers >= 1")
+        elif self.ray_address is not None:
+            check("ray_address", False, "only meaningful with cluster='ray'")
         check("expert_split", self.expert_split is None or (len(self.expert_split) == self.expert_workers
               and all(is_int(n) and n >= 1 for n in self.expert_split)),
               "one count >= 1 per expert worker")

@@ -29,6 +29,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="M2N transport between workers (auto: shared memory on one host, TCP across hosts)")
     d.add_argument("--trace", default=None, metavar="PATH",
                    help="write a Chrome/Perfetto trace of every worker to PATH on shutdown")
+    d.add_argument("--deployment", default=None, metavar="FILE",
+                   help="deployment spec (TOML, e.g. from `afdserve plan --write-deployment`): workers per role, "
+                        "micro-batches, gate, expert split, Ray resources; overrides the flags above (docs/ray.md)")
+    d.add_argument("--cluster", default="local", choices=["local", "ray"],
+                   help="where workers run: processes on this machine, or Ray actors across nodes (afdserve[ray])")
+    d.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="--cluster ray: the Ray cluster to join (default: $RAY_ADDRESS, a local cluster, or a new one)")
 
 
 def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
@@ -37,7 +44,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
-              trace=args.trace,
+              trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)
     return EngineConfig.from_kwargs(**kw)

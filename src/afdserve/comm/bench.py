@@ -72,6 +72,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=500, help="timed latency iterations per point")
     p.add_argument("--slots", type=int, default=4, help="registered slots per pair")
     p.add_argument("--spin-us", type=float, default=50.0, help="busy-poll time before blocking")
+    p.add_argument("--pin", action="store_true",
+                   help="pin worker processes to CPUs round-robin (all transports alike)")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
     p.add_argument("--plot", dest="plot_path", default=None, help="save a PNG of the results here")
 
@@ -125,7 +127,7 @@ def _stream_count(size: int, iters: int) -> int:
 
 
 def run_point(transport: str, m: int, n: int, sizes: Sequence[int], iters: int, slots: int,
-              spin_s: float, timeout_s: float = 900.0) -> list[dict]:
+              spin_s: float, pin: bool = False, timeout_s: float = 900.0) -> list[dict]:
     """Start M senders + N receivers (spawn), measure every size, return result rows."""
     import torch.distributed as dist
 
@@ -142,10 +144,12 @@ def run_point(transport: str, m: int, n: int, sizes: Sequence[int], iters: int, 
     stream = tuple(_stream_count(s, iters) for s in sizes)
     group = f"bench-{transport}-{m}x{n}-{secrets.token_hex(4)}"
     procs = []
+    cpus = sorted(os.sched_getaffinity(0))
     for role, count in (("recv", n), ("send", m)):
         for i in range(count):
+            cpu = cpus[len(procs) % len(cpus)] if pin else -1
             spec = WorkerSpec(role, i, transport, m, n, tuple(sizes), iters, warmup, stream, store.host,
-                              store.port, group, slots, spin_s)
+                              store.port, group, slots, spin_s, cpu)
             p = ctx.Process(target=run, args=(spec, ready, barrier, results), daemon=True)
             p.start()
             procs.append(p)
@@ -199,7 +203,8 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    return {"memcpy_gbps": memcpy_gbps(), "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+    return {"memcpy_gbps": memcpy_gbps(), "cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+            "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "units": {"latency": "microseconds", "throughput_gbps": "GB/s = 1e9 bytes/s, summed over all pairs",
                       "memcpy_gbps": "GB/s, one core copying a 256 MiB buffer"}}
@@ -249,8 +254,9 @@ def plot(report: dict, path: str, m: int, n: int, scale_size: int) -> None:
         ax.set_ylabel(label)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend()
-    axes[1][0].legend()
+    for ax in (axes[0][0], axes[1][0]):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     mach = report["machine"]
     fig.suptitle(f"afdserve M2N — {mach['cpu']}, {mach['cores']} cores, memcpy {mach['memcpy_gbps']:.1f} GB/s")
     fig.tight_layout()
@@ -263,7 +269,10 @@ def main(args: argparse.Namespace) -> int:
         print("error: --senders, --receivers and --iters must be >= 1", file=sys.stderr)
         return 2
     sizes = sorted(set(args.sizes))
-    report = {"machine": machine_info(), "results": []}
+    report = {"machine": machine_info(), "results": [],
+              "config": {"iters": args.iters, "slots": args.slots, "spin_us": args.spin_us, "pin": args.pin,
+                         "sizes_at": [args.senders, args.receivers], "scale": args.scale,
+                         "scale_size": args.scale_size}}
     rows = report["results"]
     for size in sorted(set(sizes) | ({args.scale_size} if args.scale else set())):
         rows.append(memcpy_row(size, args.iters, args.slots))
@@ -271,13 +280,15 @@ def main(args: argparse.Namespace) -> int:
     for t in args.transports:
         print(f"[m2n] {t}: M={args.senders} N={args.receivers} sizes {','.join(fmt_size(s) for s in sizes)}",
               flush=True)
-        rows += run_point(t, args.senders, args.receivers, sizes, args.iters, args.slots, spin)
+        rows += run_point(t, args.senders, args.receivers, sizes, args.iters, args.slots, spin, args.pin)
         for k in args.scale:
             if k == args.senders == args.receivers and args.scale_size in sizes:
                 continue
             print(f"[m2n] {t}: M=N={k} size {fmt_size(args.scale_size)}", flush=True)
-            rows += run_point(t, k, k, [args.scale_size], args.iters, args.slots, spin)
-    print(f"memcpy (one core, 256 MiB): {report['machine']['memcpy_gbps']:.2f} GB/s")
+            rows += run_point(t, k, k, [args.scale_size], args.iters, args.slots, spin, args.pin)
+    report["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(f"memcpy (one core, 256 MiB): {report['machine']['memcpy_gbps']:.2f} GB/s; load average "
+          f"{report['machine']['loadavg_at_start'][0]:.2f} -> {report['machine']['loadavg_at_end'][0]:.2f}")
     print(format_table(rows))
     if args.json_path:
         with open(args.json_path, "w") as f:

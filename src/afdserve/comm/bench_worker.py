@@ -39,6 +39,7 @@ class WorkerSpec:
     group: str
     num_slots: int
     spin_s: float
+    cpu: int = -1  # >= 0: pin this process to that CPU (--pin)
 
 
 def _wait_ready(ready, i: int) -> None:
@@ -52,6 +53,8 @@ def _wait_ready(ready, i: int) -> None:
 def run(spec: WorkerSpec, ready, barrier, results) -> None:
     try:
         torch.set_num_threads(1)
+        if spec.cpu >= 0:
+            os.sched_setaffinity(0, {spec.cpu})
         results.put((spec.role, spec.index, _run(spec, ready, barrier)))
     except BaseException:  # report instead of hanging the parent
         results.put((spec.role, spec.index, {"error": traceback.format_exc()}))

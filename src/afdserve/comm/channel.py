@@ -126,8 +126,12 @@ class RecvChannel(Channel):
     def timeout_error(self) -> PeerTimeoutError:
         return PeerTimeoutError(self.peer, f"message #{self.next_seq} did not arrive before the deadline")
 
+    def busy(self) -> bool:
+        """Is the peer writing the next message right now (worth spinning for)?"""
+        return False
+
     def wait_ready(self, deadline: float, progress: Progress) -> None:
-        progress.wait(self.ready, self.arm, self.check, deadline, self.timeout_error)
+        progress.wait(self.ready, self.arm, self.check, deadline, self.timeout_error, busy=self.busy)
 
     def recv(self, deadline: float, progress: Progress) -> Message:
         self.check_slot()

@@ -154,7 +154,13 @@ class Communicator:
         def timeout_error() -> PeerTimeoutError:
             return PeerTimeoutError(tuple(c.peer for c in free), "no message arrived before the deadline")
 
-        self._progress.wait(ready, arm, check, deadline, timeout_error)
+        def busy() -> bool:
+            for ch in free:
+                if ch.busy():
+                    return True
+            return False
+
+        self._progress.wait(ready, arm, check, deadline, timeout_error, busy=busy)
         return found[-1].take(deadline)
 
     def progress(self) -> None:

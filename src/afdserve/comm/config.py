@@ -25,6 +25,7 @@ class CommConfig:
     connect_timeout_s: float = 60.0  # rendezvous + handshakes
     spin_s: float = 50e-6  # busy-poll this long before blocking
     host: str | None = None  # address to advertise for TCP; None: the interface that reaches the store
+    machine_id: str | None = None  # identity for transport="auto" (equal ids -> shm); None: hostname + boot id
     torch_backend: str = "auto"  # transport="torch": gloo | nccl | auto (nccl iff device is cuda)
     device: str = "cpu"  # transport="torch": where the registered slots live (cuda:N for nccl)
 
@@ -44,4 +45,6 @@ class CommConfig:
             v = getattr(self, name)
             check(name, isinstance(v, (int, float)) and v > 0, "must be > 0 seconds")
         check("spin_s", isinstance(self.spin_s, (int, float)) and self.spin_s >= 0, "must be >= 0 seconds")
+        check("machine_id", self.machine_id is None or (isinstance(self.machine_id, str) and self.machine_id != ""),
+              "must be a non-empty string or None")
         check("torch_backend", self.torch_backend in ("auto", "gloo", "nccl"), "use auto, gloo or nccl")

@@ -70,7 +70,7 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
               recv_from: list[str], timeout_s: float) -> Links:
     deadline = _now() + timeout_s
     pref = preferred_transport(config)
-    me = rdv.machine_id()
+    me = config.machine_id or rdv.machine_id()
     lsock = None
     out: dict[str, socket.socket] = {}
     inc: dict[str, socket.socket] = {}
@@ -80,7 +80,7 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
     try:
         host = rdv.advertise_host(store, config.host)
         lsock = rdv.listener(host)
-        rdv.publish(store, group, rdv.this_endpoint(name, host, lsock.getsockname()[1]))
+        rdv.publish(store, group, rdv.this_endpoint(name, host, lsock.getsockname()[1], me))
 
         # 2. dial our receivers
         for peer in send_to:

@@ -1,8 +1,8 @@
 """The progress engine of one Communicator: its sockets in one poll set, and the wait loop.
 
-Every wait spins for ``spin_s`` (checking a condition that costs no system call for shared memory)
-and then blocks in ``poll`` on all of the Communicator's sockets, so that a blocked process burns no
-core: a shared-memory peer writes one byte to wake a waiter that announced itself, TCP data wakes it
+Every wait spins for up to ``spin_s`` (checking a condition that costs no system call for shared
+memory; the budget adapts, see ``wait``) and then blocks in ``poll`` on all of the Communicator's
+sockets, so that a blocked process burns no core: a shared-memory peer writes one byte to wake a waiter that announced itself, TCP data wakes it
 by arriving, and a peer that dies closes its socket, which wakes the waiter at once. While blocked,
 any TCP data that arrives for *any* pair is read straight into its registered slot.
 """
@@ -10,7 +10,6 @@ any TCP data that arrives for *any* pair is read straight into its registered sl
 from __future__ import annotations
 
 import math
-import os
 import select
 import time
 from typing import Callable, Protocol
@@ -18,6 +17,7 @@ from typing import Callable, Protocol
 POLLIN = select.POLLIN | select.POLLPRI
 POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 BLOCK_CHUNK_S = 0.002  # longest single sleep: bounds the cost of a (theoretical) missed wake-up
+BUSY_SPIN_S = 0.002  # longest extra spin while the peer is visibly writing the awaited message
 _now = time.perf_counter
 
 
@@ -30,6 +30,8 @@ class Handler(Protocol):
 class Progress:
     def __init__(self, spin_s: float) -> None:
         self.spin_s = spin_s
+        self._spin = spin_s  # adaptive budget, see wait()
+        self._waits = 0
         self._poll = select.poll()
         self._handlers: dict[int, Handler] = {}
 
@@ -69,22 +71,35 @@ class Progress:
         return writable
 
     def wait(self, ready: Callable[[], bool], arm: Callable[[bool], None], check: Callable[[], None],
-             deadline: float, timeout_error: Callable[[], Exception], block_s: float = BLOCK_CHUNK_S) -> None:
+             deadline: float, timeout_error: Callable[[], Exception], block_s: float = BLOCK_CHUNK_S,
+             busy: Callable[[], bool] | None = None) -> None:
         """Return once ``ready()``; raise what ``check()`` raises (dead peer) or ``timeout_error()``.
 
         ``arm(True)`` tells the peer(s) that we are about to sleep (they then ring the socket).
+        ``busy()`` True means the peer is writing the awaited message right now: keep spinning
+        (up to ``BUSY_SPIN_S`` more) rather than pay a wake-up at the end of its copy.
+
+        The spin budget adapts: spinning only pays when the peer runs on another core. When it
+        shares ours, spinning just delays it, the spin fails, and the budget halves (down to
+        blocking at once); a success doubles it back up to ``spin_s``, and every 16th wait probes
+        the full ``spin_s`` again.
         """
         if ready():
             return
-        now = _now()
-        spin_end = min(now + self.spin_s, deadline)
-        yield_at = now + 10e-6
-        while now < spin_end:
-            if ready():
-                return
+        self._waits += 1
+        budget = self.spin_s if not self._waits & 15 else self._spin
+        if budget > 0:
             now = _now()
-            if now > yield_at:
-                os.sched_yield()  # let a runnable sender have this core if cores are oversubscribed
+            spin_end = min(now + budget, deadline)
+            busy_end = min(spin_end + BUSY_SPIN_S, deadline) if busy is not None else spin_end
+            while True:
+                if ready():
+                    self._spin = min(self.spin_s, max(2 * self._spin, 2e-6))
+                    return
+                now = _now()
+                if now >= spin_end and (now >= busy_end or not busy()):  # type: ignore[misc]
+                    break
+            self._spin = self._spin / 2 if self._spin > 2e-6 else 0.0
         while True:
             arm(True)
             try:

@@ -53,6 +53,8 @@ def advertise_host(store: dist.Store, configured: str | None) -> str:
     env = os.environ.get("AFD_COMM_HOST")
     if env:
         return env
+    while hasattr(store, "underlying_store"):  # PrefixStore(...) around a TCPStore
+        store = store.underlying_store
     store_host = getattr(store, "host", None)
     if store_host:
         try:
@@ -110,8 +112,8 @@ def listener(advertised: str) -> socket.socket:
     return socket.create_server(("127.0.0.1" if loopback else "", 0), backlog=1024)
 
 
-def this_endpoint(name: str, host: str, port: int) -> Endpoint:
-    return Endpoint(name, host, port, machine_id(), platform.machine(), os.getpid())
+def this_endpoint(name: str, host: str, port: int, machine: str | None = None) -> Endpoint:
+    return Endpoint(name, host, port, machine or machine_id(), platform.machine(), os.getpid())
 
 
 def send_frame(sock: socket.socket, obj: dict) -> None:

@@ -36,6 +36,7 @@ C_RECV_WAITING = 8  # written by the receiver
 C_SEND_WAITING = 16  # written by the sender
 C_SENDER_CLOSED = 24
 C_RECEIVER_CLOSED = 32
+C_WRITING = 40  # written by the sender: seq + 1 of the message it is copying right now
 C_FILLED = 64  # [MAX_SLOTS], written by the sender
 C_FREED = 128  # [MAX_SLOTS], written by the receiver
 
@@ -108,6 +109,7 @@ class ShmSendChannel(SendChannel, _ShmEnd):
             progress.wait(lambda: int(ctl[C_FREED + s]) >= need, self._arm, self.check, deadline,
                           lambda: self._credit_timeout(k))
         buf = self.buf
+        ctl[C_WRITING] = k + 1  # lets a spinning receiver keep spinning through the copy
         encode_into(buf.mv, buf.header_offset(s), k, meta, descs, total)
         buf.write(s, tensors, descs)
         ctl[C_FILLED + s] = k + 1  # the completion ("write with immediate")
@@ -139,6 +141,9 @@ class ShmRecvChannel(RecvChannel, _ShmEnd):
 
     def arm(self, waiting: bool) -> None:
         self.ctl[C_RECV_WAITING] = 1 if waiting else 0
+
+    def busy(self) -> bool:
+        return int(self.ctl[C_WRITING]) == self.next_seq + 1
 
     def take(self, deadline: float) -> Message:
         k = self.next_seq

@@ -14,7 +14,9 @@ Prompt = str | dict[str, Any]
 
 class LLM:
     """An MoE model served by a deployment: colocated in this process (``expert_workers=0``,
-    the default) or disaggregated over worker processes."""
+    the default) or disaggregated over worker processes -- on this machine (``cluster="local"``)
+    or as Ray actors across nodes (``cluster="ray", ray_address=..., deployment="spec.toml"``;
+    docs/ray.md)."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)

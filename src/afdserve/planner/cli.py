@@ -106,6 +106,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     out.add_argument("--matrix", action="store_true", help="also print the best value for every GPU pair")
     out.add_argument("--json", type=Path, help="write the ranked plans as JSON")
     out.add_argument("--plot", type=Path, help="PNG: objective against n_a for each m, at the best plan")
+    out.add_argument("--write-deployment", type=Path, metavar="FILE",
+                     help="write the best plan as a deployment spec (TOML) for `afdserve serve --deployment FILE`")
     return p
 
 
@@ -268,6 +270,11 @@ def run(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(plans_json(result, meta=meta), indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.write_deployment and result.best is not None:
+        from afdserve.cluster.spec import from_plan
+
+        from_plan(result.best, num_experts=spec.num_experts).write(args.write_deployment)
+        print(f"wrote {args.write_deployment}")
     if args.plot and result.best is not None:
         from afdserve.planner.plot import plot_objective_vs_na
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import secrets
 import time
 from multiprocessing.connection import Connection, wait
@@ -49,7 +50,12 @@ class LocalCluster:
         self.expert_map = ExpertMap.contiguous(self.model_cfg.num_layers, self.model_cfg.num_experts, n_e,
                                                cfg.expert_split)
         self.group = f"{os.getpid()}_{secrets.token_hex(3)}"
-        self._store = start_store()
+        if launch is None and (cfg.cluster != "local" or cfg.deployment):  # Ray actors, spec's threads
+            from afdserve.cluster import make_launcher
+
+            launch = make_launcher(cfg)
+        self._launch = launch or spawn_worker
+        self._store = start_store(getattr(self._launch, "store_host", "127.0.0.1"))
         specs = [WorkerSpec("attention", i, cfg, str(path), self.expert_map, self._store.addr, self.group,
                             trace=bool(cfg.trace)) for i in range(cfg.attention_workers)]
         specs += [WorkerSpec("expert", j, cfg, str(path), self.expert_map, self._store.addr, self.group,
@@ -61,10 +67,12 @@ class LocalCluster:
         self.stats: dict[str, dict] = {}
         self._ids = itertools.count()
         self._closed = False
-        launch = launch or spawn_worker
         try:
+            prepare = getattr(self._launch, "prepare", None)  # e.g. reserve a placement group for all workers
+            if prepare is not None:
+                prepare(specs)
             for s in specs:
-                self.workers[s.name] = launch(s)
+                self.workers[s.name] = self._launch(s)
             self._wait_ready(cfg.startup_timeout_s)
         except BaseException:
             self.shutdown()
@@ -92,12 +100,12 @@ class LocalCluster:
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
-                    w.process.wait(5)
-                    raise WorkerError(f"{name} (pid {w.pid}) exited during start-up with code {w.exitcode()}")
+                    w.wait(5)
+                    raise WorkerError(f"{self._who(name)} exited during start-up ({w.exit_status()})")
                 if msg[0] == "ready":
                     pending.discard(name)
                 elif msg[0] == "crash":
-                    raise WorkerError(f"{name} failed to start: {msg[2]}\n{msg[3]}")
+                    raise WorkerError(f"{self._who(name)} failed to start: {msg[2]}\n{msg[3]}")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -112,6 +120,9 @@ class LocalCluster:
             w.send(("stop",))
         for w in self.workers.values():
             w.join(5.0)
+        close = getattr(self._launch, "close", None)  # e.g. release the placement group
+        if close is not None:
+            close()
         self._store.close()
 
     # ---- requests -------------------------------------------------------------------------
@@ -159,10 +170,10 @@ class LocalCluster:
                     msg = w.conn.recv()
                 except (EOFError, OSError):  # the process is gone
                     try:
-                        w.process.wait(0.2)
+                        w.wait(0.2)
                     except Exception:
                         pass
-                    outs += self._worker_died(name, f"{name} (pid {w.pid}) died (exit code {w.exitcode()})")
+                    outs += self._worker_died(name, f"{self._who(name)} died ({w.exit_status()})")
                     break
                 outs += self._handle(name, msg)
         return outs
@@ -205,7 +216,7 @@ class LocalCluster:
                     try:
                         got = w.conn.recv()
                     except (EOFError, OSError):
-                        self._buffer += self._worker_died(name, f"{name} (pid {w.pid}) died")
+                        self._buffer += self._worker_died(name, f"{self._who(name)} died")
                         break
                     if got[0] == "ack" and name in pending:
                         pending.discard(name)
@@ -245,8 +256,16 @@ class LocalCluster:
         self.map_version, self.expert_map = version, new_map
         return new_map
 
+    def _who(self, name: str) -> str:
+        """``expert1 (pid 123)``; workers on other machines say which node too."""
+        return f"{name} ({self.workers[name].describe()})"
+
     def _worker_died(self, name: str | None, reason: str) -> list[RequestOutput]:
         """Fails every in-flight request with an error naming the failed worker."""
+        remote = [n for n, w in self.workers.items() if getattr(w, "remote", False)
+                  and (n == name or re.search(rf"\b{n}\b", reason)) and self._who(n) not in reason]
+        if remote:  # say where the failed worker (or the peer a report names) ran
+            reason += " [" + "; ".join(self._who(n) for n in remote) + "]"
         if self.failed is None:
             self.failed = reason
         outs = []

@@ -44,6 +44,20 @@ class Launched:
     def exitcode(self) -> int | None:
         return self.process.poll()
 
+    def describe(self) -> str:
+        """Where the worker runs, for messages."""
+        return f"pid {self.pid}"
+
+    def exit_status(self) -> str:
+        return f"exit code {self.exitcode()}"
+
+    def wait(self, timeout: float) -> None:
+        """Waits up to ``timeout`` for the process to exit (after its control connection closed)."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
     def send(self, msg: Any) -> None:
         if self.dead:
             return
@@ -115,10 +129,10 @@ def _child_main(address: str, parent: int) -> None:
 class Store:
     """The rendezvous key-value store of one deployment (torch's TCPStore, hosted here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         from torch.distributed import TCPStore
 
-        self.host = "127.0.0.1"
+        self.host = host  # the address workers dial: loopback locally, the node's IP for remote workers
         with socket.socket() as s:
             s.bind((self.host, 0))
             port = s.getsockname()[1]
@@ -129,8 +143,8 @@ class Store:
         self._store = None
 
 
-def start_store() -> Store:
-    return Store()
+def start_store(host: str = "127.0.0.1") -> Store:
+    return Store(host)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ class AttentionWorker:
             st = self._stats()
             if self.runner.tracker is not None:
                 st["load"] = self.runner.tracker.snapshot().to_json()
+            st["transports"] = _transports(self.links)
             ctl.send(("stats", self.spec.name, st))
         elif kind == "set_map":  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg[1], msg[2])
@@ -221,6 +222,7 @@ class ExpertWorker:
                         "experts": [list(p.expert_ids) for p in c.experts.layers]}
             if c.tracker is not None:
                 st["load"] = c.tracker.snapshot().to_json()
+            st["transports"] = _transports(self.links)
             ctl.send(("stats", self.spec.name, st))
         elif kind == "prepare":  # hold the union of the current and the new map's experts
             version, new_map = msg[1], msg[2]
@@ -254,6 +256,11 @@ class ExpertWorker:
 
     def close(self) -> None:
         self.links.close()
+
+
+def _transports(links: Links) -> dict[str, str]:
+    """The M2N transport to each peer ('shm', 'tcp' or 'torch')."""
+    return {name: links.transport(i) for i, name in enumerate(links.peers)}
 
 
 def _idle_span(t0_ns: int):
