@@ -75,3 +75,13 @@ def build_attention_engine(cfg: EngineConfig, path: Path, model_cfg: ModelConfig
 def build_colocated_engine(cfg: EngineConfig) -> Engine:
     path = resolve_model(cfg.model)
     return build_attention_engine(cfg, path, ModelConfig.from_pretrained(path))
+
+
+def build_engine(cfg: EngineConfig):
+    """The deployment ``cfg`` describes: the colocated engine in this process (``expert_workers=0``
+    and one attention worker) or a cluster of worker processes (local, or Ray actors)."""
+    if cfg.expert_workers > 0 or cfg.attention_workers > 1:
+        from afdserve.runtime.cluster import LocalCluster
+
+        return LocalCluster(cfg)
+    return build_colocated_engine(cfg)

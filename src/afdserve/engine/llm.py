@@ -20,14 +20,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "float32", **kwargs: Any):
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
-        from afdserve.engine.builder import build_colocated_engine
+        from afdserve.engine.builder import build_engine
 
-        if self.config.expert_workers > 0 or self.config.attention_workers > 1:
-            from afdserve.runtime.cluster import LocalCluster  # the disaggregated runtime
-
-            self.engine: Any = LocalCluster(self.config)
-        else:
-            self.engine = build_colocated_engine(self.config)
+        self.engine: Any = build_engine(self.config)
         self._closed = False
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

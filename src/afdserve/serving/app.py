@@ -6,7 +6,6 @@ thread and shuts the engine (and its worker processes) down.
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -76,7 +75,7 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.shutdown)
+            await engine.close()
 
     app = FastAPI(title="afdserve", version=afdserve.__version__,
                   description="OpenAI-compatible API of an afdserve MoE deployment", lifespan=lifespan)

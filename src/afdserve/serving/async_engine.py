@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
+from afdserve.engine.engine import Engine
 from afdserve.engine.outputs import CompletionOutput, RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenizerInfo
@@ -125,16 +126,16 @@ class _Track:
 
 
 class AsyncEngine:
-    """The engine behind the HTTP server. Call ``start`` from the event loop, ``shutdown`` at the end."""
+    """The engine behind the HTTP server. Call ``start`` and, at the end, ``close`` on the event loop."""
 
     def __init__(self, engine: EngineLike, *, max_in_flight: int, observer: Observer | None = None,
-                 poll_s: float = 0.005, stats_interval_s: float = 1.0):
+                 poll_s: float = 0.005, stats_interval_s: float = 1.0, load_window: int = 64):
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.observer = observer
         self.poll_s, self.stats_interval_s = poll_s, stats_interval_s
-        self.is_cluster = not hasattr(engine, "scheduler")
-        self._source: StatsSource = stats_source(engine)
+        self.is_cluster = not isinstance(engine, Engine)  # a LocalCluster: step(timeout) polls its workers
+        self._source: StatsSource = stats_source(engine, load_window)
         self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine request id -> its stream (event loop thread only)
         self._snapshot = EngineStats()
@@ -175,20 +176,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="afdserve-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops the engine thread, fails what is still in flight, and shuts the engine down."""
+    async def close(self, timeout: float = 60.0) -> None:
+        """Stops the engine thread, fails what is still in flight, and shuts the engine (and its
+        worker processes) down. Call it on the event loop."""
         if self._closed:
             return
         self._closed = self._closing = True
         self._queue.put(("stop",))
         if self._thread is not None:
-            self._thread.join(timeout)
-        for tr in list(self._tracks.values()):
-            tr.stream._push(tr.index, _error_output(tr.stream.engine_id(tr.index), "the server is shutting down"))
-        self._tracks.clear()
+            await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all("the server is shutting down")
         close = getattr(self.engine, "shutdown", None)
         if close is not None:
-            close()
+            await asyncio.to_thread(close)
 
     # ---- requests (event loop thread) ----------------------------------------------------
     def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams) -> GenerationStream:
@@ -235,8 +235,8 @@ class AsyncEngine:
             if out.finished:
                 del self._tracks[out.request_id]
                 if obs:
-                    reason = "error" if out.error else (out.outputs[0].finish_reason if out.outputs else None) or "error"
-                    obs.finished(reason, t - tr.arrival)
+                    reason = out.outputs[0].finish_reason if out.outputs and not out.error else None
+                    obs.finished(reason or "error", t - tr.arrival)
             tr.stream._push(tr.index, out)
 
     def _fail_all(self, reason: str) -> None:
@@ -261,11 +261,12 @@ class AsyncEngine:
                         return
                     outs += self._apply(cmd)
                 t0 = time.perf_counter()
+                stepped = self.is_cluster or eng.has_unfinished()
                 if self.is_cluster:
                     outs += eng.step(self.poll_s if eng.has_unfinished() else 0.0)  # type: ignore[call-arg]
-                elif eng.has_unfinished():
+                elif stepped:
                     outs += eng.step()  # type: ignore[attr-defined]
-                sizes = self._stats(src.after_step, time.perf_counter() - t0) or []
+                sizes = (self._stats(src.after_step, time.perf_counter() - t0) or []) if stepped else []
                 now = time.monotonic()
                 if now >= next_refresh:
                     self._stats(src.refresh)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -63,15 +63,12 @@ def _model(base_url: str, model: str | None) -> tuple[str, int | None]:
 def build_requests(args: argparse.Namespace, max_model_len: int | None) -> list:
     from afdserve.engine.builder import resolve_model
     from afdserve.engine.tokenizer import load_tokenizer
-    from afdserve.serving.workload import sharegpt_requests, synthetic_requests
+    from afdserve.serving.workload import sharegpt_requests, synthetic_requests, vocab_size
 
     path = resolve_model(args.tokenizer)
     tok = load_tokenizer(path).tokenizer
     if args.dataset == "synthetic":
-        vocab = tok.get_vocab_size()
-        if (path / "config.json").is_file():  # the model's embedding may be smaller than the tokenizer
-            vocab = min(vocab, int(json.loads((path / "config.json").read_text()).get("vocab_size", vocab)))
-        return synthetic_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+        return synthetic_requests(args.num_prompts, args.input_len, args.output_len, vocab_size(path, tok), args.seed)
     return sharegpt_requests(tok, args.num_prompts, args.seed, args.sharegpt_max_input_len,
                              args.sharegpt_max_output_len, max_model_len)
 
@@ -98,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"bench serve: the first request failed: {res.error}")
 
     asyncio.run(warmup())
+    load_start = os.getloadavg()
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -109,7 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
     summary = summarize(results, elapsed, args.slo_tbt_ms)
     config = {k: v for k, v in vars(args).items() if not callable(v) and k not in ("func", "bench_func")}
-    config |= {"model": model, "spec": asdict(spec), "label": args.label}
+    config |= {"model": model, "spec": asdict(spec), "label": args.label,
+               "client_host": {"cpus": os.cpu_count(), "loadavg_1m_start": load_start[0],
+                               "loadavg_1m_end": os.getloadavg()[0]}}
     print(format_table(summary))
     if args.result_json:
         write_json(args.result_json, summary, config, results)

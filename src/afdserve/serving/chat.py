@@ -37,7 +37,8 @@ class ChatTemplate:
     def __init__(self, template: str | None, bos_token: str | None = None, eos_token: str | None = None):
         self.source = template or DEFAULT_CHAT_TEMPLATE
         self.is_default = not template
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

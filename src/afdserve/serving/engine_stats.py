@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from afdserve.balance.load import LoadSnapshot, LoadTracker
 from afdserve.engine.engine import Engine
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -33,6 +34,7 @@ class EngineStats:
     expert_worker_tokens: dict[str, int] = field(default_factory=dict)  # expert worker -> tokens sent to it so far
     busy_seconds: dict[str, float] = field(default_factory=dict)  # worker -> busy seconds so far
     busy_fraction: dict[str, float] = field(default_factory=dict)  # worker -> busy share of the last interval
+    expert_load: LoadSnapshot | None = None  # the recent window (afdserve.balance), refreshed every interval
 
 
 def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:
@@ -56,15 +58,18 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 class ExpertTokenCounter:
-    """Wraps the colocated runner's MoE function and counts the tokens routed to each expert."""
+    """Wraps the colocated runner's MoE function: counts the tokens routed to each expert, and
+    records the routing in a ``LoadTracker`` (the recent window, as the workers of a cluster do)."""
 
     def __init__(self, moe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                 num_layers: int, num_experts: int):
+                 num_layers: int, num_experts: int, load_window: int):
         self.moe = moe
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self.tracker = LoadTracker(num_layers, num_experts, load_window)
 
     def __call__(self, layer: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         self.counts[layer] += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[1])[: self.counts.shape[1]]
+        self.tracker.record(layer, ids)
         return self.moe(layer, y, ids, w)
 
 
@@ -84,8 +89,9 @@ class _BusyMeter:
 
 
 class StatsSource:
-    """Reads a deployment's state in the engine thread. ``after_step`` returns the micro-batch
-    sizes of the steps it saw; ``refresh`` (every stats interval) updates busy fractions."""
+    """Reads a deployment's state in the engine thread. ``after_step`` (after each step; a
+    cluster's: after each poll) returns the micro-batch sizes of the steps it saw; ``refresh``
+    (every stats interval) updates busy fractions and the expert load window."""
 
     def after_step(self, step_seconds: float) -> list[int]:
         raise NotImplementedError
@@ -98,31 +104,39 @@ class StatsSource:
 
 
 class ColocatedStats(StatsSource):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, load_window: int):
         self.engine = engine
         runner: Any = engine.runner
         self.counter: ExpertTokenCounter | None = None
         if hasattr(runner, "moe") and hasattr(runner, "model"):
             cfg = runner.model.cfg
-            self.counter = ExpertTokenCounter(runner.moe, cfg.num_layers, cfg.num_experts)
+            self.counter = ExpertTokenCounter(runner.moe, cfg.num_layers, cfg.num_experts, load_window)
             runner.moe = self.counter
         self.busy = 0.0
         self.meter = _BusyMeter()
+        self.load: LoadSnapshot | None = None
+        self.expert_tokens: list[list[int]] = []  # per-expert figures: read at each refresh
 
     def after_step(self, step_seconds: float) -> list[int]:
-        self.busy += step_seconds
-        return micro_batch_sizes(self.engine.last_step.num_tokens, 1)
+        tokens = self.engine.last_step.num_tokens
+        if tokens:
+            self.busy += step_seconds
+            if self.counter is not None:
+                self.counter.tracker.step()
+        return micro_batch_sizes(tokens, 1)
 
     def refresh(self) -> None:
         self.meter.update({"engine": self.busy}, time.monotonic())
+        if self.counter is not None:
+            self.load = self.counter.tracker.snapshot()
+            self.expert_tokens = self.counter.counts.tolist()
 
     def snapshot(self, pending: int) -> EngineStats:
         sched = self.engine.scheduler
         return EngineStats(
             running=len(sched.running), waiting=len(sched.waiting) + pending,
-            kv_usage={"engine": self.engine.blocks.usage},
-            expert_tokens=self.counter.counts.tolist() if self.counter is not None else [],
-            busy_seconds={"engine": self.busy}, busy_fraction=dict(self.meter.fraction))
+            kv_usage={"engine": self.engine.blocks.usage}, expert_tokens=self.expert_tokens,
+            busy_seconds={"engine": self.busy}, busy_fraction=dict(self.meter.fraction), expert_load=self.load)
 
 
 class ClusterStats(StatsSource):
@@ -139,6 +153,8 @@ class ClusterStats(StatsSource):
         self.last_step_s: dict[str, float] = {}
         self.busy: dict[str, float] = {}
         self.meter = _BusyMeter()
+        self.load: LoadSnapshot | None = None
+        self.expert_tokens: list[list[int]] = []  # per-expert figures: read at each refresh
 
     def after_step(self, step_seconds: float) -> list[int]:
         sizes: list[int] = []
@@ -151,6 +167,9 @@ class ClusterStats(StatsSource):
         return sizes
 
     def refresh(self) -> None:
+        loads = [LoadSnapshot.from_json(st["load"]) for st in self.cluster.stats.values() if "load" in st]
+        self.load = LoadSnapshot.merge(loads) if loads else None  # the replies to the last request
+        self.expert_tokens = self._expert_tokens()
         self.cluster.request_stats()
         for name, w in self.cluster.workers.items():
             cpu = None if w.dead or w.pid is None else cpu_seconds(w.pid)
@@ -169,8 +188,8 @@ class ClusterStats(StatsSource):
             running=sum(int(s.get("running", 0)) for s in att),
             waiting=sum(int(s.get("waiting", 0)) for s in att) + pending,
             kv_usage={a: float(st[a].get("kv_usage", 0.0)) for a in self.cluster.attention if a in st},
-            expert_tokens=self._expert_tokens(), expert_worker_tokens=per_worker,
-            busy_seconds=dict(self.busy), busy_fraction=dict(self.meter.fraction))
+            expert_tokens=self.expert_tokens, expert_worker_tokens=per_worker,
+            busy_seconds=dict(self.busy), busy_fraction=dict(self.meter.fraction), expert_load=self.load)
 
     def _expert_tokens(self) -> list[list[int]]:
         """Per layer and expert, the tokens the expert workers computed (each worker counts the
@@ -182,5 +201,7 @@ class ClusterStats(StatsSource):
         return [[sum(int(c[layer][e]) for c in counts) for e in range(experts)] for layer in range(layers)]
 
 
-def stats_source(engine: Any) -> StatsSource:
-    return ColocatedStats(engine) if isinstance(engine, Engine) else ClusterStats(engine)
+def stats_source(engine: Any, load_window: int = 64) -> StatsSource:
+    """The colocated engine's (expert load over ``load_window`` steps) or a cluster's (its workers
+    keep the window, ``EngineConfig.load_window``)."""
+    return ColocatedStats(engine, load_window) if isinstance(engine, Engine) else ClusterStats(engine)

@@ -52,8 +52,8 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         self._check_context(prompts, max_tokens, "prompt")
         params = self._params(req, max_tokens)
-        stream = self._submit("cmpl", prompts, params)
         prefixes = [self._prompt_text(p) if req.echo else "" for p in prompts]
+        stream = self._submit("cmpl", prompts, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(stream, self._completion_chunks(stream, prompts, params, prefixes, include_usage,

@@ -2,7 +2,9 @@
 
 Request metrics are recorded as requests progress (the ``Observer`` of ``AsyncEngine`` and the
 HTTP status middleware); deployment metrics are read from the engine thread's latest
-``EngineStats`` snapshot at scrape time. Each server has its own registry.
+``EngineStats`` snapshot at scrape time, the recent expert load (tokens per expert per step,
+imbalance per layer) by ``afdserve.balance.metrics.ExpertLoadCollector``. Each server has its own
+registry.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from afdserve.balance.metrics import ExpertLoadCollector
 from afdserve.serving.engine_stats import EngineStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -76,6 +79,7 @@ class ServingMetrics:
         self.micro_batch = Histogram("afdserve_micro_batch_tokens", "Tokens per micro-batch of each step",
                                      buckets=MICRO_BATCH_BUCKETS, registry=r)
         r.register(_Snapshot(stats, in_flight))
+        r.register(ExpertLoadCollector(lambda: stats().expert_load))  # the recent window, per step
 
     # ---- Observer -----------------------------------------------------------------------
     def first_token(self, seconds: float) -> None:

@@ -1,8 +1,9 @@
 """The OpenAI API's request and response bodies (the subset afdserve serves), as pydantic models.
 
 Requests are strict (``"1"`` is not a number, ``true`` is not an integer; an integral float such as
-``16.0`` is an integer, as in JSON Schema) and reject unknown fields, like OpenAI's API; afdserve's extensions are ``top_k``, ``ignore_eos`` and
-``return_token_ids``. The models also make the server's OpenAPI schema (``/openapi.json``).
+``16.0`` is an integer, as in JSON Schema) and reject unknown fields, like OpenAI's API; afdserve's
+extensions are ``top_k``, ``ignore_eos`` and ``return_token_ids``. The models also make the
+server's OpenAPI schema (``/openapi.json``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Float] | None = None
     user: str | None = None
     # afdserve extensions (as in vLLM)
-    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(None, description="sample from the k most likely tokens (-1: all)")
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(
+        None, description="sample from the k most likely tokens (-1: all)")
     ignore_eos: bool | None = Field(False, description="keep generating after the end-of-sequence token")
     return_token_ids: bool | None = Field(False, description="also return the generated token ids of each choice")
 

@@ -34,23 +34,14 @@ def model_name(cfg: EngineConfig, opts: ServerOptions) -> str:
     return opts.served_model_name or cfg.model or "demo"
 
 
-def build_engine(cfg: EngineConfig) -> Any:
-    """The colocated engine (``expert_workers=0``, one attention worker) or a local cluster."""
-    if cfg.expert_workers > 0 or cfg.attention_workers > 1:
-        from afdserve.runtime.cluster import LocalCluster
-
-        return LocalCluster(cfg)
-    from afdserve.engine.builder import build_colocated_engine
-
-    return build_colocated_engine(cfg)
-
-
 def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastAPI:
     if opts.max_waiting_requests < 0:
         raise ConfigError(f"invalid max_waiting_requests={opts.max_waiting_requests}: must be >= 0")
+    from afdserve.engine.builder import build_engine
+
     engine = build_engine(cfg)
     capacity = cfg.max_num_seqs * cfg.attention_workers + opts.max_waiting_requests
-    return create_app(AsyncEngine(engine, max_in_flight=capacity), model_name(cfg, opts))
+    return create_app(AsyncEngine(engine, max_in_flight=capacity, load_window=cfg.load_window), model_name(cfg, opts))
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -3,7 +3,7 @@ up mid-stream), then the checks that nothing leaked.
 
 Passes when every request completed, was cancelled by its client, or got a clean OpenAI-shaped
 error; the server's KV-cache usage and in-flight requests return to zero; and /dev/shm holds no
-afdserve segment of a process outside the live deployment.
+afdserve segment but the live deployment's (``stray_segments``).
 """
 
 from __future__ import annotations
@@ -41,18 +41,45 @@ def kv_usage(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if k.startswith("afdserve_kv_cache_usage_ratio")}
 
 
-def foreign_segments(live_pids: set[int]) -> list[str]:
-    """afdserve shared-memory segments in /dev/shm not created by one of ``live_pids``."""
+def _parent(pid: int) -> int | None:
+    """The parent of a running process (None if it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
+
+
+def _ours(pid: int) -> bool:
+    """Whether a running process descends from this one."""
+    me, seen = os.getpid(), 0
+    while pid > 1 and seen < 64:
+        parent = _parent(pid)
+        if parent is None:
+            return False
+        if parent == me:
+            return True
+        pid, seen = parent, seen + 1
+    return False
+
+
+def stray_segments(deployment_pids: set[int]) -> list[str]:
+    """afdserve shared-memory segments in /dev/shm that are not the live deployment's: made by a
+    process that is gone, or by one of this process's descendants outside ``deployment_pids``.
+    (Segments of unrelated live processes, e.g. another deployment on this machine, don't count.)"""
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
     out = []
     for n in names:
-        if n.startswith("afd"):
-            m = _SEGMENT.match(n)
-            if m is None or int(m.group(1)) not in live_pids:
-                out.append(n)
+        m = _SEGMENT.match(n)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid not in deployment_pids and (_parent(pid) is None or _ours(pid)):
+            out.append(n)
     return sorted(out)
 
 
@@ -63,7 +90,7 @@ class SoakReport:
     drained_s: float | None = None  # seconds until KV usage and in-flight requests were back to zero
     kv_usage_after: dict[str, float] = field(default_factory=dict)
     in_flight_after: float | None = None
-    foreign_segments: list[str] = field(default_factory=list)
+    stray_segments: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[str]:
@@ -71,8 +98,8 @@ class SoakReport:
         if self.drained_s is None:
             out.append(f"KV cache / in-flight requests did not return to zero: {self.kv_usage_after}, "
                        f"in flight {self.in_flight_after}")
-        if self.foreign_segments:
-            out.append(f"shared-memory segments outside the live deployment: {self.foreign_segments}")
+        if self.stray_segments:
+            out.append(f"shared-memory segments outside the live deployment: {self.stray_segments}")
         if self.summary["completed"] == 0:
             out.append("no request completed")
         return out
@@ -99,5 +126,5 @@ def run_soak(base_url: str, model: str, requests: list[BenchRequest], clients: i
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    report.foreign_segments = foreign_segments(live_pids())
+    report.stray_segments = stray_segments(live_pids())
     return report

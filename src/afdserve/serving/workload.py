@@ -10,8 +10,10 @@ exact.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -49,6 +51,16 @@ def sharegpt_requests(tokenizer: Tokenizer, num: int, seed: int = 0, max_input_l
     if len(out) < num:
         raise ValueError(f"only {len(out)} ShareGPT conversations fit the length limits; asked for {num}")
     return out
+
+
+def vocab_size(model_dir: Path, tokenizer: Tokenizer) -> int:
+    """Token ids a synthetic prompt may use: the tokenizer's, or fewer if the model's embedding
+    (``config.json``'s ``vocab_size``) is smaller."""
+    n = tokenizer.get_vocab_size()
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        n = min(n, int(json.loads(cfg.read_text()).get("vocab_size", n)))
+    return n
 
 
 def synthetic_requests(num: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:

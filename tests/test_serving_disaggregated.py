@@ -1,0 +1,131 @@
+"""The server over a disaggregated deployment (1 attention + 2 expert worker processes): greedy
+tokens equal offline ``LLM.generate`` on the same deployment; a short soak of 64 streaming clients
+leaves nothing behind; a dead worker turns new requests into 503s."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from afdserve import LLM, SamplingParams
+from afdserve.config import EngineConfig
+from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
+from afdserve.serving.soak import run_soak, scrape, stray_segments
+from afdserve.serving.workload import synthetic_requests
+
+MODEL = "tiny"
+DEPLOYMENT = dict(num_kv_blocks=64, attention_workers=1, expert_workers=2, micro_batches=2)
+PROMPTS = ["the quick brown fox", "hello world 0123", "mixture of experts serve", "attention nodes", "ping"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_mixtral):
+    app = build_app(EngineConfig(model=str(tiny_mixtral), **DEPLOYMENT), ServerOptions(served_model_name=MODEL))
+    cluster = app.state.engine.engine
+    server = BackgroundServer(app)
+    url = server.start()
+    yield url, cluster
+    server.stop()
+    pids = [w.pid for w in cluster.workers.values()]
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids), "worker processes outlived the server"
+    assert not stray_segments(set()), "shared-memory segments left behind"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _live_pids(cluster):
+    return {os.getpid()} | {w.pid for w in cluster.workers.values()}
+
+
+def test_greedy_tokens_equal_offline_generate(tiny_mixtral, deployment):
+    url, _ = deployment
+    with LLM(str(tiny_mixtral), **DEPLOYMENT) as llm:
+        want = [o.outputs[0].token_ids for o in
+                llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    got: dict[tuple[str, int], list[int]] = {}
+
+    def one(i, stream):
+        kw = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=16, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        if stream:
+            ids = []
+            for ch in client.completions.create(stream=True, **kw):
+                ids += ch.choices[0].model_extra["token_ids"] if ch.choices else []
+        else:
+            ids = client.completions.create(**kw).choices[0].model_extra["token_ids"]
+        got[("s" if stream else "j", i)] = ids
+
+    threads = [threading.Thread(target=one, args=(i, s)) for i in range(len(PROMPTS)) for s in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, w in enumerate(want):
+        assert got[("j", i)] == w, i
+        assert got[("s", i)] == w, i
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    assert chat.usage.completion_tokens <= 5
+
+
+def test_short_soak_64_streaming_clients(deployment):
+    url, cluster = deployment
+    reqs = synthetic_requests(64, input_len=24, output_len=48, vocab_size=256, seed=1)
+    report = run_soak(url, MODEL, reqs, clients=64, duration_s=20, cancel_fraction=0.15,
+                      live_pids=lambda: _live_pids(cluster), drain_timeout_s=10)
+    s = report.summary
+    assert report.problems == [], report.problems
+    assert s["completed"] > 64 and s["cancelled"] > 0 and s["failed"] == 0
+    time.sleep(2.5)  # two stats refreshes after the last step (workers answer a request by the next)
+    m = scrape(url)
+    assert m["afdserve_num_requests_running"] == 0 and m["afdserve_num_requests_waiting"] == 0
+    assert m['afdserve_request_finish_total{reason=abort}'] >= s["cancelled"]
+    assert {k for k in m if k.startswith("afdserve_worker_busy_ratio")} == {
+        "afdserve_worker_busy_ratio{worker=attention0}", "afdserve_worker_busy_ratio{worker=expert0}",
+        "afdserve_worker_busy_ratio{worker=expert1}"}
+    assert sum(v for k, v in m.items() if k.startswith("afdserve_expert_worker_tokens_total")) > 0
+    layer = [sum(v for k, v in m.items() if k.startswith("afdserve_expert_tokens_total") and f"layer={i}" in k)
+             for i in (0, 1)]
+    assert layer[0] == layer[1] > 0  # every token visits top-2 experts in every layer
+    assert m["afdserve_expert_load_window_steps"] >= 1  # the workers' recent window (afdserve.balance)
+    assert m["afdserve_micro_batch_tokens_count"] > 0
+
+
+def test_worker_failure_gives_503(tiny_mixtral):
+    app = build_app(EngineConfig(model=str(tiny_mixtral), num_kv_blocks=64, expert_workers=1),
+                    ServerOptions(served_model_name=MODEL))
+    cluster = app.state.engine.engine
+    server = BackgroundServer(app)
+    url = server.start()
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/v1/completions", json=body,
+                                                                             timeout=30)))
+        t.start()
+        time.sleep(0.5)
+        os.kill(cluster.workers["expert0"].pid, signal.SIGKILL)
+        t.join(15)
+        assert result["r"].status_code == 503 and "expert0" in result["r"].json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", json=body | {"max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        with pytest.raises(openai.InternalServerError):
+            openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
+                model=MODEL, prompt="hi", max_tokens=2)
+    finally:
+        server.stop()
