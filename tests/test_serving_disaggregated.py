@@ -79,6 +79,40 @@ def test_greedy_tokens_equal_offline_generate(tiny_mixtral, deployment):
     assert chat.usage.completion_tokens <= 5
 
 
+def test_rebalance_mid_stream_fails_nothing_and_changes_no_output(tiny_mixtral, deployment):
+    url, cluster = deployment
+    with LLM(str(tiny_mixtral), **DEPLOYMENT) as llm:
+        want = [o.outputs[0].token_ids for o in
+                llm.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    got: dict[int, list[int]] = {}
+    started = threading.Event()
+
+    def one(i):
+        ids = []
+        for ch in client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=40, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}):
+            ids += ch.choices[0].model_extra["token_ids"] if ch.choices else []
+            started.set()
+        got[i] = ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    version = cluster.map_version
+    r = httpx.post(url + "/admin/rebalance", json={"slots_per_worker": 4}, timeout=120)  # 6 experts, 8 slots
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == version + 1
+    held = r.json()["experts_per_worker"]
+    assert sum(len(w[0]) for w in held) == 8  # two replicas in every layer
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    snap = httpx.get(url + "/admin/expert-load", timeout=30)
+    assert snap.status_code == 200 and "tokens" in snap.json()
+
+
 def test_short_soak_64_streaming_clients(deployment):
     url, cluster = deployment
     reqs = synthetic_requests(64, input_len=24, output_len=48, vocab_size=256, seed=1)

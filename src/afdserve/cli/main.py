@@ -18,6 +18,7 @@ COMMANDS = {
     "profile": "afdserve.planner.profiler",
     "trace-plot": "afdserve.runtime.trace_plot",
     "expert-load": "afdserve.balance.cli",
+    "rebalance": "afdserve.serving.rebalance_cli",
 }
 
 

@@ -23,6 +23,8 @@ from afdserve.serving.chat import ChatTemplate
 from afdserve.serving.errors import ApiError, validation_error
 from afdserve.serving.generation import OpenAIServing
 from afdserve.serving.metrics import ServingMetrics
+from afdserve.errors import AfdServeError
+from afdserve.serving.protocol import (RebalanceRequest, RebalanceResponse)
 from afdserve.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelList)
 
@@ -119,6 +121,35 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS | _STREAM)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    @app.post("/admin/rebalance", response_model=RebalanceResponse, responses=_ERRORS)
+    async def rebalance(body: RebalanceRequest | None = None) -> Response:
+        """Moves expert weights to a placement planned from the recent load, while serving."""
+        body = body or RebalanceRequest()
+        if not hasattr(engine.engine, "rebalance"):
+            return ApiError(400, "this deployment has no expert workers to rebalance (expert_workers=0)").response()
+
+        def run(eng: Any) -> RebalanceResponse:
+            m = eng.rebalance(slots_per_worker=body.slots_per_worker, planner=body.planner)
+            return RebalanceResponse(version=eng.map_version,
+                                     experts_per_worker=[m.experts_of(w) for w in range(m.num_workers)])
+
+        try:
+            return JSONResponse((await engine.call(run)).model_dump())
+        except (AfdServeError, ValueError) as e:
+            return ApiError(409, str(e), code="rebalance_failed").response()
+
+    @app.get("/admin/expert-load")
+    async def expert_load() -> Response:
+        """The per-layer expert load snapshot (tokens per expert, co-activation) as JSON."""
+        def snap(eng: Any) -> str | None:
+            s = eng.expert_load() if hasattr(eng, "expert_load") else None
+            return s.to_json() if s is not None else None
+
+        got = await engine.call(snap)
+        if got is None:
+            return ApiError(404, "no expert load recorded (colocated engine, or nothing served yet)").response()
+        return Response(got, media_type="application/json")
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

@@ -129,11 +129,13 @@ class AsyncEngine:
     """The engine behind the HTTP server. Call ``start`` and, at the end, ``close`` on the event loop."""
 
     def __init__(self, engine: EngineLike, *, max_in_flight: int, observer: Observer | None = None,
-                 poll_s: float = 0.005, stats_interval_s: float = 1.0, load_window: int = 64):
+                 poll_s: float = 0.005, stats_interval_s: float = 1.0, load_window: int = 64,
+                 rebalance_interval_s: float | None = None):
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.observer = observer
         self.poll_s, self.stats_interval_s = poll_s, stats_interval_s
+        self.rebalance_interval_s = rebalance_interval_s  # re-plan expert placement this often (clusters)
         self.is_cluster = not isinstance(engine, Engine)  # a LocalCluster: step(timeout) polls its workers
         self._source: StatsSource = stats_source(engine, load_window)
         self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -246,6 +248,8 @@ class AsyncEngine:
     def _run(self) -> None:
         eng, src = self.engine, self._source
         next_refresh = time.monotonic()
+        every = self.rebalance_interval_s if self.is_cluster else None
+        next_rebalance = time.monotonic() + every if every else float("inf")
         try:
             while True:
                 busy = eng.has_unfinished()
@@ -272,6 +276,12 @@ class AsyncEngine:
                     self._stats(src.refresh)
                     next_refresh = now + self.stats_interval_s
                 self._snapshot = self._stats(src.snapshot, self._queue.qsize()) or self._snapshot
+                if now >= next_rebalance and every:
+                    next_rebalance = now + every
+                    try:  # between steps, like any control message; serving goes on meanwhile
+                        eng.rebalance()  # type: ignore[attr-defined]
+                    except Exception as e:  # no load yet, or nothing to gain: keep serving
+                        log.info("periodic re-plan skipped: %s", e)
                 failed = getattr(eng, "failed", None)
                 if failed and not self._failed:
                     self._failed = failed
@@ -312,7 +322,25 @@ class AsyncEngine:
             pass
         return cmds
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs ``fn(engine)`` in the engine thread between two steps and returns its result
+        (re-planning, snapshots: anything that must not race with a step)."""
+        if self._loop is None:
+            raise EngineUnavailable("the engine is not running")
+        fut: asyncio.Future = self._loop.create_future()
+        self._queue.put(("call", fn, fut))
+        return await fut
+
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
+        if cmd[0] == "call":
+            _, fn, fut = cmd
+            loop = self._loop
+            try:
+                res = fn(self.engine)
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(lambda e=e: fut.done() or fut.set_exception(e))
+            return []
         if cmd[0] == "add":
             _, rid, prompt, params = cmd
             try:

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "worker); more are refused with 429 and Retry-After")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--rebalance-interval", type=float, default=None, metavar="SECONDS",
+                   help="re-plan the expert placement from the recent load this often (default: only on "
+                        "POST /admin/rebalance or `afdserve rebalance`)")
     add_engine_args(p)
     p.set_defaults(expert_workers=1, micro_batches=2)
     return p
@@ -32,6 +35,7 @@ def main(args: argparse.Namespace) -> int:
     from afdserve.serving.server import ServerOptions, serve
 
     serve(engine_config(args), ServerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                                                    rebalance_interval_s=args.rebalance_interval,
                                              max_waiting_requests=args.max_waiting_requests,
                                              log_level=args.log_level, access_log=args.access_log))
     return 0

@@ -163,3 +163,16 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class RebalanceRequest(BaseModel):
+    """``POST /admin/rebalance``: re-plan the expert placement from the recent load."""
+
+    model_config = ConfigDict(extra="forbid")
+    slots_per_worker: int | None = Field(default=None, ge=1, description="expert slots per expert worker")
+    planner: Literal["janus", "megascale"] = "janus"
+
+
+class RebalanceResponse(BaseModel):
+    version: int
+    experts_per_worker: list[list[list[int]]]  # [worker][layer] -> logical experts held

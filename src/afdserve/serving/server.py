@@ -28,6 +28,7 @@ class ServerOptions:
     max_waiting_requests: int = 256  # requests beyond the running capacity that may queue; more get 429
     log_level: str = "info"
     access_log: bool = False
+    rebalance_interval_s: float | None = None  # re-plan the expert placement this often (None: on demand only)
 
 
 def model_name(cfg: EngineConfig, opts: ServerOptions) -> str:
@@ -41,7 +42,8 @@ def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastA
 
     engine = build_engine(cfg)
     capacity = cfg.max_num_seqs * cfg.attention_workers + opts.max_waiting_requests
-    return create_app(AsyncEngine(engine, max_in_flight=capacity, load_window=cfg.load_window), model_name(cfg, opts))
+    return create_app(AsyncEngine(engine, max_in_flight=capacity, load_window=cfg.load_window,
+                                  rebalance_interval_s=opts.rebalance_interval_s), model_name(cfg, opts))
 
 
 def bind(host: str, port: int) -> socket.socket:
