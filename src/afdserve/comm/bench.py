@@ -3,7 +3,9 @@
 Sweep 1: message sizes at fixed M (senders) and N (receivers). Sweep 2: M = N varied at one size.
 Every transport (and plain torch.distributed point-to-point, ``torch_raw``) runs the same protocol
 in the same run, next to this machine's memcpy bandwidth. Size = bytes from one sender to one
-receiver. Throughput is in GB/s (10^9 bytes/s) summed over all pairs.
+receiver. Throughput is in GB/s (10^9 bytes/s) summed over all pairs. "cpu shared" is the share of
+latency iterations after which a sender and a receiver were on the same CPU (then they time-share
+one core: on a machine with other load, placement decides the latency regime).
 
     python -m afdserve.comm.bench --transports shm,tcp,torch,torch_raw --sizes 2KiB,256KiB,8MiB \
         --senders 1 --receivers 1 --iters 500 --json out.json --plot out.png
@@ -71,7 +73,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-size", type=parse_size, default=256 << 10, help="message size of the scaling sweep")
     p.add_argument("--iters", type=int, default=500, help="timed latency iterations per point")
     p.add_argument("--slots", type=int, default=4, help="registered slots per pair")
-    p.add_argument("--spin-us", type=float, default=50.0, help="busy-poll time before blocking")
+    p.add_argument("--spin-us", type=float, default=100.0, help="busy-poll time before blocking (CommConfig.spin_s)")
     p.add_argument("--pin", action="store_true",
                    help="pin worker processes to CPUs round-robin (all transports alike)")
     p.add_argument("--json", dest="json_path", default=None, help="write results here")
@@ -135,9 +137,7 @@ def run_point(transport: str, m: int, n: int, sizes: Sequence[int], iters: int, 
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    ready = ctx.RawArray("q", n)
-    for j in range(n):
-        ready[j] = -1
+    ready = [ctx.Semaphore(0) for _ in range(m)]
     barrier = ctx.Barrier(m + n)
     results = ctx.Queue()
     warmup = max(10, iters // 10)
@@ -187,9 +187,12 @@ def run_point(transport: str, m: int, n: int, sizes: Sequence[int], iters: int, 
         t0 = min(o["tput"][size][0] for k, o in got.items() if k[0] == "send")
         t1 = max(o["tput"][size][1] for k, o in got.items() if k[0] == "recv")
         nbytes = m * n * size * _stream_count(size, iters)
+        s_cpu = np.stack([got[("send", i)]["cpu"][size] for i in range(m)])
+        r_cpu = np.stack([got[("recv", j)]["cpu"][size] for j in range(n)])
+        shared = np.mean([bool(set(s_cpu[:, i]) & set(r_cpu[:, i])) for i in range(s_cpu.shape[1])])
         rows.append({"transport": label, "senders": m, "receivers": n, "size_bytes": int(size),
                      "median_us": float(np.median(lat_us)), "p99_us": float(np.percentile(lat_us, 99)),
-                     "throughput_gbps": nbytes / ((t1 - t0) / 1e9) / 1e9})
+                     "throughput_gbps": nbytes / ((t1 - t0) / 1e9) / 1e9, "cpu_shared": float(shared)})
     return rows
 
 
@@ -207,17 +210,20 @@ def machine_info() -> dict:
             "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "units": {"latency": "microseconds", "throughput_gbps": "GB/s = 1e9 bytes/s, summed over all pairs",
+                      "cpu_shared": "share of latency iterations after which a sender and a receiver ran on one CPU",
                       "memcpy_gbps": "GB/s, one core copying a 256 MiB buffer"}}
 
 
 # -- reporting ---------------------------------------------------------------------------------------
 
 def format_table(rows: Sequence[dict]) -> str:
-    head = f"{'transport':<10} {'M':>2} {'N':>2} {'size':>7} {'median us':>10} {'p99 us':>10} {'GB/s':>8}"
+    head = (f"{'transport':<10} {'M':>2} {'N':>2} {'size':>7} {'median us':>10} {'p99 us':>10} {'GB/s':>8} "
+            f"{'cpu shared':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
+        shared = f"{100 * r['cpu_shared']:.0f}%" if "cpu_shared" in r else "-"
         lines.append(f"{r['transport']:<10} {r['senders']:>2} {r['receivers']:>2} {fmt_size(r['size_bytes']):>7} "
-                     f"{r['median_us']:>10.1f} {r['p99_us']:>10.1f} {r['throughput_gbps']:>8.2f}")
+                     f"{r['median_us']:>10.1f} {r['p99_us']:>10.1f} {r['throughput_gbps']:>8.2f} {shared:>10}")
     return "\n".join(lines)
 
 

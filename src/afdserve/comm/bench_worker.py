@@ -1,8 +1,8 @@
 """One process of ``afdserve bench m2n`` (started with multiprocessing 'spawn').
 
-Latency (per size, K iterations): every receiver posts "ready for iteration i" in a shared array
-and enters ``recv``; every sender waits until all receivers are ready, stamps its start, and sends
-one message of ``size`` bytes to every receiver. The iteration's latency is the last receiver's
+Latency (per size, K iterations): every receiver posts "ready" on every sender's semaphore and
+enters ``recv``; every sender blocks until all receivers are ready (no busy-waiting in the
+harness), stamps its start, and sends one message of ``size`` bytes to every receiver. The iteration's latency is the last receiver's
 completion minus the first sender's start (one host: one monotonic clock for all processes).
 Throughput (per size): every sender streams T messages to every receiver with all slots in flight;
 throughput = all bytes / (last completion - first start).
@@ -10,6 +10,7 @@ throughput = all bytes / (last completion - first start).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import time
@@ -21,6 +22,11 @@ import torch
 import torch.distributed as dist
 
 _ns = time.perf_counter_ns
+try:
+    _getcpu = ctypes.CDLL(None).sched_getcpu
+except (OSError, AttributeError):  # pragma: no cover
+    def _getcpu() -> int:
+        return -1
 
 
 @dataclass(frozen=True)
@@ -42,15 +48,20 @@ class WorkerSpec:
     cpu: int = -1  # >= 0: pin this process to that CPU (--pin)
 
 
-def _wait_ready(ready, i: int) -> None:
-    n = len(ready)
-    while True:
-        if min(ready[j] for j in range(n)) >= i:
-            return
-        os.sched_yield()
+def _wait_ready(ready, spec: WorkerSpec) -> None:
+    sem = ready[spec.index]
+    for _ in range(spec.receivers):
+        if not sem.acquire(timeout=120):
+            raise TimeoutError("receivers never became ready")
+
+
+def _post_ready(ready) -> None:
+    for sem in ready:
+        sem.release()
 
 
 def run(spec: WorkerSpec, ready, barrier, results) -> None:
+    """``ready``: one semaphore per sender, released by every receiver once per iteration."""
     try:
         torch.set_num_threads(1)
         if spec.cpu >= 0:
@@ -84,24 +95,25 @@ def _run(spec: WorkerSpec, ready, barrier) -> dict:
         for size, n_stream in zip(spec.sizes, spec.stream):
             total = spec.warmup + spec.iters
             stamps = np.zeros(total, dtype=np.int64)
+            cpus = np.zeros(total, dtype=np.int32)
             barrier.wait()
             if spec.role == "send":
                 payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
                 for i in range(total):
-                    _wait_ready(ready, i)
+                    _wait_ready(ready, spec)
                     stamps[i] = _ns()
                     for r in order:
                         comm.send(r, payload)
+                    cpus[i] = _getcpu()
             else:
                 for i in range(total):
-                    ready[spec.index] = i
+                    _post_ready(ready)
                     for s in senders:
                         comm.recv(s).release()
                     stamps[i] = _ns()
+                    cpus[i] = _getcpu()
             out["lat"][size] = stamps[spec.warmup:]
-            barrier.wait()
-            if spec.role == "recv":
-                ready[spec.index] = -1
+            out.setdefault("cpu", {})[size] = cpus[spec.warmup:]
             barrier.wait()
             if spec.role == "send":
                 t0 = _ns()
@@ -134,26 +146,27 @@ def _run_raw(spec: WorkerSpec, store, ready, barrier) -> dict:
     for size, n_stream in zip(spec.sizes, spec.stream):
         total = spec.warmup + spec.iters
         stamps = np.zeros(total, dtype=np.int64)
+        cpus = np.zeros(total, dtype=np.int32)
         barrier.wait()
         if spec.role == "send":
             payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
             order = [m + (spec.index + j) % n for j in range(n)]
             for i in range(total):
-                _wait_ready(ready, i)
+                _wait_ready(ready, spec)
                 stamps[i] = _ns()
                 for w in [pg.send([payload], r, 0) for r in order]:
                     w.wait()
+                cpus[i] = _getcpu()
         else:
             bufs = [torch.empty(size, dtype=torch.uint8) for _ in range(m)]
             for i in range(total):
-                ready[spec.index] = i
+                _post_ready(ready)
                 for w in [pg.recv([bufs[s]], s, 0) for s in range(m)]:
                     w.wait()
                 stamps[i] = _ns()
+                cpus[i] = _getcpu()
         out["lat"][size] = stamps[spec.warmup:]
-        barrier.wait()
-        if spec.role == "recv":
-            ready[spec.index] = -1
+        out.setdefault("cpu", {})[size] = cpus[spec.warmup:]
         barrier.wait()
         t0 = _ns()
         if spec.role == "send":

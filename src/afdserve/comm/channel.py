@@ -21,6 +21,7 @@ from afdserve.comm.progress import Progress
 
 class Channel(ABC):
     transport: str = "?"
+    futex_ok = False  # may a wait on this pair alone sleep on the doorbell futex? (shared memory)
 
     def __init__(self, peer: str, sock: socket.socket | None, num_slots: int, slot_bytes: int) -> None:
         self.peer = peer
@@ -120,9 +121,6 @@ class RecvChannel(Channel):
     def take(self, deadline: float) -> Message:
         """Return the next message (``ready()`` was True, except for transports that block here)."""
 
-    def arm(self, waiting: bool) -> None:
-        """Announce (or withdraw) that this side is about to sleep waiting for data."""
-
     def timeout_error(self) -> PeerTimeoutError:
         return PeerTimeoutError(self.peer, f"message #{self.next_seq} did not arrive before the deadline")
 
@@ -131,7 +129,8 @@ class RecvChannel(Channel):
         return False
 
     def wait_ready(self, deadline: float, progress: Progress) -> None:
-        progress.wait(self.ready, self.arm, self.check, deadline, self.timeout_error, busy=self.busy)
+        progress.wait(self.ready, self.check, deadline, self.timeout_error, busy=self.busy,
+                      futex_ok=self.futex_ok)
 
     def recv(self, deadline: float, progress: Progress) -> Message:
         self.check_slot()

@@ -34,12 +34,8 @@ _NO_META = Meta()
 def _close_links(links: Links, progress: Progress) -> None:
     for ch in list(links.send.values()) + list(links.recv.values()):
         progress.discard(ch)
-        try:
-            ch.close()
-        except Exception:  # closing must never raise (finalizers, error paths)
-            pass
-    links.send.clear()
-    links.recv.clear()
+    progress.bell = None
+    links.close()
 
 
 class Communicator:
@@ -70,6 +66,8 @@ class Communicator:
                           self.config.connect_timeout_s if timeout is None else timeout)
         self._links.send.update(links.send)
         self._links.recv.update(links.recv)
+        self._links.bell, self._links.peer_bells = links.bell, links.peer_bells
+        self._progress.bell = links.bell
         for ch in list(links.send.values()) + list(links.recv.values()):
             self._progress.add(ch)
         return self
@@ -143,10 +141,6 @@ class Communicator:
                     return True
             return False
 
-        def arm(waiting: bool) -> None:
-            for ch in free:
-                ch.arm(waiting)
-
         def check() -> None:
             for ch in free:
                 ch.check()
@@ -160,7 +154,8 @@ class Communicator:
                     return True
             return False
 
-        self._progress.wait(ready, arm, check, deadline, timeout_error, busy=busy)
+        self._progress.wait(ready, check, deadline, timeout_error, busy=busy,
+                            futex_ok=all(ch.futex_ok for ch in free))
         return found[-1].take(deadline)
 
     def progress(self) -> None:

@@ -23,7 +23,7 @@ class CommConfig:
     transport: str = "auto"  # auto (same machine -> shm, else tcp) | shm | tcp | torch
     deadline_s: float = 0.2  # default deadline of every wait (send for a free slot, recv)
     connect_timeout_s: float = 60.0  # rendezvous + handshakes
-    spin_s: float = 50e-6  # busy-poll this long before blocking
+    spin_s: float = 100e-6  # busy-poll up to this long before blocking (adaptive, see progress.py)
     host: str | None = None  # address to advertise for TCP; None: the interface that reaches the store
     machine_id: str | None = None  # identity for transport="auto" (equal ids -> shm); None: hostname + boot id
     torch_backend: str = "auto"  # transport="torch": gloo | nccl | auto (nccl iff device is cuda)

@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from afdserve.comm import rendezvous as rdv
 from afdserve.comm.channel import RecvChannel, SendChannel
+from afdserve.comm import futex
 from afdserve.comm.config import CommConfig
+from afdserve.comm.doorbell import Doorbell
 from afdserve.comm.errors import ConnectError
 from afdserve.comm.shm import Segment
 from afdserve.comm.shm_transport import ShmRecvChannel, ShmSendChannel, attach_pair_segment, create_pair_segment
@@ -39,6 +41,21 @@ _now = time.monotonic
 class Links:
     send: dict[str, SendChannel] = field(default_factory=dict)
     recv: dict[str, RecvChannel] = field(default_factory=dict)
+    bell: Doorbell | None = None  # ours (its name is unlinked once every peer mapped it)
+    peer_bells: dict[str, Doorbell] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for ch in list(self.send.values()) + list(self.recv.values()):
+            try:
+                ch.close()
+            except Exception:  # closing must never raise (finalizers, error paths)
+                pass
+        self.send.clear()
+        self.recv.clear()
+        for b in list(self.peer_bells.values()) + ([self.bell] if self.bell is not None else []):
+            b.close()
+        self.peer_bells.clear()
+        self.bell = None
 
 
 def preferred_transport(config: CommConfig) -> str:
@@ -78,6 +95,9 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
     attached: dict[str, Segment] = {}
     links = Links()
     try:
+        if futex.AVAILABLE and pref in ("auto", "shm"):
+            links.bell = Doorbell.create()
+        bell_name = links.bell.name if links.bell is not None else None
         host = rdv.advertise_host(store, config.host)
         lsock = rdv.listener(host)
         rdv.publish(store, group, rdv.this_endpoint(name, host, lsock.getsockname()[1], me))
@@ -87,7 +107,7 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
             s = rdv.dial(store, group, peer, deadline)
             out[peer] = s
             rdv.send_frame(s, {"op": "hello", "from": name, "to": peer, "group": group, "transport": pref,
-                               "machine": me})
+                               "machine": me, "bell": bell_name})
 
         # 3. accept our senders, register their slots, offer
         hellos: dict[str, dict] = {}
@@ -127,9 +147,23 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
             except ConnectError as e:
                 rdv.send_frame(conn, {"op": "offer", "error": str(e)})
                 raise
+            if t == "shm":  # both ends need the other's doorbell
+                why = None
+                try:
+                    if links.bell is None or not hello.get("bell"):
+                        raise ValueError("no futex doorbell on one side")
+                    if src not in links.peer_bells:
+                        links.peer_bells[src] = Doorbell.attach(str(hello["bell"]))
+                except (OSError, ValueError) as e:
+                    why = str(e)
+                if why is not None:
+                    if not fb:
+                        rdv.send_frame(conn, {"op": "offer", "error": f"shared memory impossible: {why}"})
+                        raise ConnectError(f"shared memory with peer {src!r} impossible: {why}")
+                    t = "tcp"
             choice[src], fallback_ok[src] = t, fb
             offer = {"op": "offer", "transport": t, "num_slots": config.num_slots, "slot_bytes": config.slot_bytes,
-                     "fallback": fb}
+                     "fallback": fb, "bell": bell_name}
             if t == "shm":
                 seg, nonce = create_pair_segment(config.num_slots, config.slot_bytes)
                 segments[src] = seg
@@ -151,6 +185,8 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
                 try:
                     attached[dst] = attach_pair_segment(offer["shm"], offer["num_slots"], offer["slot_bytes"],
                                                         offer["nonce"])
+                    if dst not in links.peer_bells:
+                        links.peer_bells[dst] = Doorbell.attach(str(offer["bell"]))
                 except (OSError, ValueError) as e:
                     ack = {"op": "ack", "ok": False, "why": f"cannot map {offer['shm']}: {e}"}
                     if not offer.get("fallback"):
@@ -172,6 +208,9 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
                     segments.pop(src).close()
                 else:
                     raise ConnectError(f"peer {src!r} could not set up {choice[src]}: {ack.get('why')}")
+
+        if links.bell is not None:
+            links.bell.seg.unlink()  # every peer that will ring it has mapped it by now
 
         # 6. torch pairs: two-rank groups, built in one global order of pairs
         prefixes: dict[tuple[str, str], tuple[str, str]] = {}
@@ -198,7 +237,7 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
             offer = offers[dst]
             t, ns, sb = offer["transport"], int(offer["num_slots"]), int(offer["slot_bytes"])
             if t == "shm":
-                links.send[dst] = ShmSendChannel(dst, s, attached.pop(dst), ns, sb)
+                links.send[dst] = ShmSendChannel(dst, s, attached.pop(dst), ns, sb, links.peer_bells[dst])
             elif t == "tcp":
                 links.send[dst] = TcpSendChannel(dst, s, ns, sb)
             else:
@@ -206,17 +245,20 @@ def establish(name: str, group: str, store: dist.Store, config: CommConfig, send
         for src, conn in inc.items():
             t, ns, sb = choice[src], config.num_slots, config.slot_bytes
             if t == "shm":
-                links.recv[src] = ShmRecvChannel(src, conn, segments.pop(src), ns, sb)
+                links.recv[src] = ShmRecvChannel(src, conn, segments.pop(src), ns, sb, links.peer_bells[src])
             elif t == "tcp":
                 links.recv[src] = TcpRecvChannel(src, conn, ns, sb)
             else:
                 links.recv[src] = TorchRecvChannel(src, conn, ns, sb, groups[(src, name)], device)
         for s in list(out.values()) + list(inc.values()):
             s.setblocking(False)
+        if links.bell is not None and not any(ch.transport == "shm"
+                                              for ch in list(links.send.values()) + list(links.recv.values())):
+            links.bell.close()
+            links.bell = None
         return links
     except BaseException:
-        for ch in list(links.send.values()) + list(links.recv.values()):
-            ch.close()
+        links.close()
         for sk in list(out.values()) + list(inc.values()):
             sk.close()
         for seg in list(segments.values()) + list(attached.values()):

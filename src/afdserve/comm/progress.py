@@ -1,10 +1,12 @@
 """The progress engine of one Communicator: its sockets in one poll set, and the wait loop.
 
 Every wait spins for up to ``spin_s`` (checking a condition that costs no system call for shared
-memory; the budget adapts, see ``wait``) and then blocks in ``poll`` on all of the Communicator's
-sockets, so that a blocked process burns no core: a shared-memory peer writes one byte to wake a waiter that announced itself, TCP data wakes it
-by arriving, and a peer that dies closes its socket, which wakes the waiter at once. While blocked,
-any TCP data that arrives for *any* pair is read straight into its registered slot.
+memory; the budget adapts, see ``wait``) and then blocks, so that a blocked process burns no core:
+on its doorbell futex when only shared-memory pairs are involved (peers wake it, see
+``doorbell.py``; between sleeps it polls its sockets, so a dead peer is noticed within
+``BLOCK_CHUNK_S``), otherwise in ``poll`` on all of its sockets (TCP data wakes it by arriving,
+a shared-memory peer by writing a byte, a dead peer by closing its socket). While blocked, any
+TCP data that arrives for *any* pair is read straight into its registered slot.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import math
 import select
 import time
 from typing import Callable, Protocol
+
+from afdserve.comm.doorbell import FUTEX, NOT_WAITING, SOCKET, Doorbell
 
 POLLIN = select.POLLIN | select.POLLPRI
 POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
@@ -30,6 +34,7 @@ class Handler(Protocol):
 class Progress:
     def __init__(self, spin_s: float) -> None:
         self.spin_s = spin_s
+        self.bell: Doorbell | None = None  # this Communicator's doorbell (if it has shm pairs)
         self._spin = spin_s  # adaptive budget, see wait()
         self._waits = 0
         self._poll = select.poll()
@@ -70,19 +75,19 @@ class Progress:
                 h.on_event(ev)
         return writable
 
-    def wait(self, ready: Callable[[], bool], arm: Callable[[bool], None], check: Callable[[], None],
-             deadline: float, timeout_error: Callable[[], Exception], block_s: float = BLOCK_CHUNK_S,
-             busy: Callable[[], bool] | None = None) -> None:
+    def wait(self, ready: Callable[[], bool], check: Callable[[], None], deadline: float,
+             timeout_error: Callable[[], Exception], busy: Callable[[], bool] | None = None,
+             futex_ok: bool = False) -> None:
         """Return once ``ready()``; raise what ``check()`` raises (dead peer) or ``timeout_error()``.
 
-        ``arm(True)`` tells the peer(s) that we are about to sleep (they then ring the socket).
         ``busy()`` True means the peer is writing the awaited message right now: keep spinning
         (up to ``BUSY_SPIN_S`` more) rather than pay a wake-up at the end of its copy.
+        ``futex_ok``: every pair involved is shared memory, so sleep on the doorbell futex.
 
         The spin budget adapts: spinning only pays when the peer runs on another core. When it
         shares ours, spinning just delays it, the spin fails, and the budget halves (down to
-        blocking at once); a success doubles it back up to ``spin_s``, and every 16th wait probes
-        the full ``spin_s`` again.
+        blocking at once); a successful spin restores the full ``spin_s``, and every 16th wait
+        probes the full ``spin_s``.
         """
         if ready():
             return
@@ -94,23 +99,35 @@ class Progress:
             busy_end = min(spin_end + BUSY_SPIN_S, deadline) if busy is not None else spin_end
             while True:
                 if ready():
-                    self._spin = min(self.spin_s, max(2 * self._spin, 2e-6))
+                    self._spin = self.spin_s
                     return
                 now = _now()
                 if now >= spin_end and (now >= busy_end or not busy()):  # type: ignore[misc]
                     break
             self._spin = self._spin / 2 if self._spin > 2e-6 else 0.0
+        bell = self.bell
+        use_futex = futex_ok and bell is not None
+        mode = FUTEX if use_futex else SOCKET
         while True:
-            arm(True)
+            if bell is not None:
+                bell.set_waiting(mode)
             try:
+                v = bell.value() if use_futex else 0  # type: ignore[union-attr]
                 if ready():
                     return
                 check()
                 rem = deadline - _now()
                 if rem <= 0:
                     raise timeout_error()
-                self.pump(min(rem, block_s))
+                if use_futex:
+                    bell.sleep(v, min(rem, BLOCK_CHUNK_S))  # type: ignore[union-attr]
+                    if ready():
+                        return
+                    self.pump(0)  # socket events: EOF of a dead peer, TCP data
+                else:
+                    self.pump(min(rem, BLOCK_CHUNK_S))
             finally:
-                arm(False)
+                if bell is not None:
+                    bell.set_waiting(NOT_WAITING)
             if ready():
                 return

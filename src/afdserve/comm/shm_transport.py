@@ -2,9 +2,10 @@
 
 Segment layout (owned by the receiver): a 4 KiB control block of 64-bit words, then the slots.
 Completion is a sequence word per slot: the sender writes header + payload, then stores
-``FILLED[s] = seq + 1``; the receiver releases with ``FREED[s] = seq + 1``. Each side announces
-that it is going to sleep in a WAITING word, and the other side then writes one byte on the pair's
-socket. Words written by different sides live in different cache lines.
+``FILLED[s] = seq + 1``; the receiver releases with ``FREED[s] = seq + 1``. After either store the
+writer notifies the other side's doorbell (``doorbell.py``: a futex wake, or a byte on the pair's
+socket, only if that side announced it sleeps). Words written by different sides live in
+different cache lines.
 
 Ordering: the payload stores precede the completion store in program order and x86-64 keeps stores
 in order (TSO); ``transport="auto"`` therefore picks shared memory only on x86-64.
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from afdserve.comm.channel import RecvChannel, SendChannel
+from afdserve.comm.doorbell import NO_SOCKET, Doorbell
 from afdserve.comm.header import decode, encode_into, plan
 from afdserve.comm.message import Message, Meta
 from afdserve.comm.progress import Progress
@@ -32,8 +34,6 @@ CONTROL_BYTES = 4096
 MAGIC = 0xAFD5_4D00
 # word indices into the control block
 C_MAGIC, C_NONCE, C_SLOTS, C_SLOT_BYTES = 0, 1, 2, 3
-C_RECV_WAITING = 8  # written by the receiver
-C_SEND_WAITING = 16  # written by the sender
 C_SENDER_CLOSED = 24
 C_RECEIVER_CLOSED = 32
 C_WRITING = 40  # written by the sender: seq + 1 of the message it is copying right now
@@ -74,8 +74,12 @@ def attach_pair_segment(name: str, num_slots: int, slot_bytes: int, nonce: int) 
 
 
 class _ShmEnd:
-    def _init_mem(self, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+    futex_ok = True  # waits on this pair can sleep on the doorbell futex
+    ring: "object"
+
+    def _init_mem(self, seg: Segment, num_slots: int, slot_bytes: int, peer_bell: Doorbell) -> None:
         self.seg = seg
+        self.peer_bell = peer_bell
         self.ctl = _control(seg)
         self.buf = SlotBuffer(num_slots, slot_bytes, mem=seg.mm, base=CONTROL_BYTES)
 
@@ -88,15 +92,13 @@ class _ShmEnd:
 class ShmSendChannel(SendChannel, _ShmEnd):
     transport = "shm"
 
-    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
+                 peer_bell: Doorbell) -> None:
         super().__init__(peer, sock, num_slots, slot_bytes)
-        self._init_mem(seg, num_slots, slot_bytes)
+        self._init_mem(seg, num_slots, slot_bytes, peer_bell)
 
     def _peer_closed_flag(self) -> bool:
         return bool(self.ctl[C_RECEIVER_CLOSED])
-
-    def _arm(self, waiting: bool) -> None:
-        self.ctl[C_SEND_WAITING] = 1 if waiting else 0
 
     def send(self, tensors: Sequence[torch.Tensor], meta: Meta, deadline: float, progress: Progress) -> None:
         descs, total = plan(tensors, self.slot_bytes, self.peer)
@@ -106,31 +108,30 @@ class ShmSendChannel(SendChannel, _ShmEnd):
         need = k - self.num_slots + 1
         ctl = self.ctl
         if need > 0 and int(ctl[C_FREED + s]) < need:
-            progress.wait(lambda: int(ctl[C_FREED + s]) >= need, self._arm, self.check, deadline,
-                          lambda: self._credit_timeout(k))
+            progress.wait(lambda: int(ctl[C_FREED + s]) >= need, self.check, deadline,
+                          lambda: self._credit_timeout(k), futex_ok=True)
         buf = self.buf
         ctl[C_WRITING] = k + 1  # lets a spinning receiver keep spinning through the copy
         encode_into(buf.mv, buf.header_offset(s), k, meta, descs, total)
         buf.write(s, tensors, descs)
         ctl[C_FILLED + s] = k + 1  # the completion ("write with immediate")
         self.next_seq = k + 1
-        if ctl[C_RECV_WAITING]:
-            self.ring()
+        self.peer_bell.notify(self.ring)
 
     def close(self) -> None:
         self.ctl[C_SENDER_CLOSED] = 1
-        if self.ctl[C_RECV_WAITING]:
-            self.ring()
-        self.close_socket()
+        self.close_socket()  # EOF for a peer sleeping in poll ...
+        self.peer_bell.notify(NO_SOCKET)  # ... and a wake-up for one sleeping on its futex
         self._drop_mem()
 
 
 class ShmRecvChannel(RecvChannel, _ShmEnd):
     transport = "shm"
 
-    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
+                 peer_bell: Doorbell) -> None:
         super().__init__(peer, sock, num_slots, slot_bytes)
-        self._init_mem(seg, num_slots, slot_bytes)
+        self._init_mem(seg, num_slots, slot_bytes, peer_bell)
 
     def _peer_closed_flag(self) -> bool:
         return bool(self.ctl[C_SENDER_CLOSED])
@@ -138,9 +139,6 @@ class ShmRecvChannel(RecvChannel, _ShmEnd):
     def ready(self) -> bool:
         k = self.next_seq
         return int(self.ctl[C_FILLED + k % self.num_slots]) == k + 1
-
-    def arm(self, waiting: bool) -> None:
-        self.ctl[C_RECV_WAITING] = 1 if waiting else 0
 
     def busy(self) -> bool:
         return int(self.ctl[C_WRITING]) == self.next_seq + 1
@@ -163,12 +161,10 @@ class ShmRecvChannel(RecvChannel, _ShmEnd):
         self.held[s] = False
         ctl = self.ctl
         ctl[C_FREED + s] = k + 1
-        if ctl[C_SEND_WAITING]:
-            self.ring()
+        self.peer_bell.notify(self.ring)
 
     def close(self) -> None:
         self.ctl[C_RECEIVER_CLOSED] = 1
-        if self.ctl[C_SEND_WAITING]:
-            self.ring()
         self.close_socket()
+        self.peer_bell.notify(NO_SOCKET)
         self._drop_mem()

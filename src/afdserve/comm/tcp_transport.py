@@ -97,7 +97,7 @@ class TcpSendChannel(SendChannel):
         s = k % self.num_slots
         need = k - self.num_slots + 1
         if need > 0 and not self._has_credit(s, need):
-            progress.wait(lambda: self._has_credit(s, need), lambda w: None, self.check, deadline,
+            progress.wait(lambda: self._has_credit(s, need), self.check, deadline,
                           lambda: self._credit_timeout(k))
         encode_into(self._hdr, 0, k, meta, descs, total)
         bufs: list[memoryview] = [memoryview(self._hdr)]

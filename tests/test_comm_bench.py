@@ -1,0 +1,40 @@
+"""`afdserve bench m2n`: argument handling and the JSON/PNG outputs (a tiny run, not a timing test)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from afdserve.comm.bench import add_parser, fmt_size, parse_size
+
+
+def test_parse_size():
+    assert parse_size("2KiB") == 2048 and parse_size("8MiB") == 8 << 20 and parse_size("100") == 100
+    assert parse_size("1.5KiB") == 1536 and parse_size("2kb") == 2000
+    assert fmt_size(256 << 10) == "256KiB" and fmt_size(100) == "100B"
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("lots")
+
+
+def test_bench_m2n_cli_writes_json_and_plot(tmp_path, capsys):
+    root = argparse.ArgumentParser(prog="afdserve")
+    bench = root.add_subparsers(dest="cmd").add_parser("bench")
+    add_parser(bench.add_subparsers(dest="what"))
+    out, png = tmp_path / "m2n.json", tmp_path / "m2n.png"
+    args = root.parse_args(["bench", "m2n", "--transports", "shm,torch_raw", "--sizes", "2KiB,64KiB",
+                            "--senders", "1", "--receivers", "1", "--iters", "10", "--scale", "",
+                            "--json", str(out), "--plot", str(png)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["memcpy_gbps"] > 0
+    rows = report["results"]
+    keys = {"transport", "senders", "receivers", "size_bytes", "median_us", "p99_us", "throughput_gbps"}
+    assert all(keys <= set(r) for r in rows)
+    got = {(r["transport"], r["senders"], r["receivers"], r["size_bytes"]) for r in rows}
+    for t in ("shm", "torch_raw"):
+        assert {(t, 1, 1, 2048), (t, 1, 1, 65536)} <= got
+    assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and r["throughput_gbps"] > 0 for r in rows)
+    assert png.stat().st_size > 10_000
+    assert "median us" in capsys.readouterr().out
