@@ -27,48 +27,107 @@ import time
 import torch
 
 
-def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, repeats: int,
-            trace: str | None = None) -> dict:
+# The demo architecture (8 layers, 8 experts top-2, hidden 256) with a 4096-token vocabulary, so the
+# LM head does not dominate a step, and 8 KV heads, so attention's KV-cache reads can balance the
+# experts at modest contexts. Experts hold 95% of the weights.
+BENCH_MODEL = {"vocab_size": 4096, "num_key_value_heads": 8}
+
+
+def bench_model(path: str) -> str:
+    from afdserve.model.demo import build_demo_model
+
+    p = os.path.expanduser(path)
+    if not os.path.exists(os.path.join(p, "config.json")):
+        tmp = p + ".tmp"
+        build_demo_model(tmp, overrides=BENCH_MODEL)
+        os.replace(tmp, p)
+    return p
+
+
+def decode_window(engine, prompts: list[dict], tokens: int) -> tuple[float, float]:
+    """Runs the prompts to ``tokens`` new tokens each and returns (decode tokens/s, time between
+    tokens) over the steady state: from when every sequence has its first token until the first one
+    finishes. One prefill per measurement; works for the colocated engine and for clusters."""
+    from afdserve import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"b{i}")
+    counts: dict[str, int] = {}
+    t_start = n_start = None
+    t_end = n_end = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.error:
+                raise RuntimeError(o.error)
+            counts[o.request_id] = len(o.outputs[0].token_ids)
+        if t_start is None and len(counts) == len(prompts):
+            t_start, n_start = now, sum(counts.values())
+        if t_start is not None and t_end is None and any(o.finished for o in outs):
+            t_end, n_end = now, sum(counts.values())
+    if t_start is None or t_end is None or n_end == n_start:
+        raise RuntimeError("no steady decode window: raise --tokens")
+    rate = (n_end - n_start) / (t_end - t_start)
+    return rate, len(prompts) / rate
+
+
+def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, model: str | None,
+            trace: str | None = None, repeats: int = 3) -> dict:
     from afdserve import LLM, SamplingParams
 
     if trace:
         kw = dict(kw, trace=trace)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(batch)]
-    with LLM(None, max_num_seqs=batch, **kw) as llm:
+    # the whole batch prefills in one step, so every sequence then decodes in lockstep
+    with LLM(model, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1), **kw) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-
-        def run(n: int) -> float:
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-                best = min(best, time.perf_counter() - t0)
-            return best
-
-        t1, tn = run(1), run(tokens)
-        usage = None
         if trace:
-            from afdserve.runtime.trace_plot import load, usage as usage_of
+            llm.engine.collect("trace")  # keep only the measured run
+        runs = sorted(decode_window(llm.engine, prompts, tokens) for _ in range(repeats))
+        rate, tbt = runs[len(runs) // 2]  # the median run (the trace covers all of them)
+    usage = decode_busy(trace, batch) if trace else None  # the trace is written on shutdown
+    return {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [r for r, _ in runs]}
 
-            llm.engine.collect("trace")  # drop the spans of the runs above
-            llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-            llm.engine.write_trace(trace)
-            usage = {u.worker: u.busy for u in usage_of(load(trace))}
-    tbt = (tn - t1) / (tokens - 1)
-    return {"tbt_ms": tbt * 1e3, "decode_tok_s": batch / tbt, "busy": usage}
+
+def decode_busy(trace: str, batch: int) -> dict[str, float] | None:
+    """Each worker's busy fraction over the trace's pure-decode steps (``batch`` tokens per step;
+    the first decode step of each run, which fills the pipeline, is left out)."""
+    from afdserve.runtime.trace_plot import load, usage
+
+    spans = load(trace)
+    steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
+    windows, prev_decode = [], False
+    for e in steps:
+        decode = e["args"].get("tokens") == batch
+        if decode and prev_decode:
+            windows.append((e["ts"], e["ts"] + e["dur"]))
+        prev_decode = decode
+    if not windows:
+        return None
+    busy: dict[str, float] = {}
+    total = sum(hi - lo for lo, hi in windows)
+    for lo, hi in windows:
+        for u in usage(spans, (lo, hi)):
+            busy[u.worker] = busy.get(u.worker, 0.0) + u.busy * (hi - lo) / total
+    return busy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64, help="concurrent sequences per attention worker")
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
+    ap.add_argument("--na-batch", type=int, default=128, help="concurrent sequences per attention worker (n_a series)")
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--prompt-len", type=int, default=56, help="context; sets Ta against Te")
+    ap.add_argument("--repeats", type=int, default=3, help="decode windows per deployment (the median is kept)")
     ap.add_argument("--max-attention-workers", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default="out/pingpong.json")
     ap.add_argument("--trace-dir", default="out")
     ap.add_argument("--only", default="m,na,coloc", help="which comparisons to run")
+    ap.add_argument("--model", default=None, help="HF model folder (default: the benchmark variant of the demo model)")
+    ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v1")
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
                     help="disaggregated deployments as local processes or Ray actors (docs/ray.md)")
     ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
@@ -79,17 +138,17 @@ def main() -> None:
         ray.init(address=args.ray_address)  # once: every deployment below joins this connection
     os.makedirs(args.trace_dir, exist_ok=True)
     from afdserve.model.config import ModelConfig
-    from afdserve.model.demo import demo_model_path
-
-    vocab = ModelConfig.from_pretrained(demo_model_path()).vocab_size
-    one = dict(num_threads=1, kv_cache_gb=0.5)
+    model = args.model or bench_model(args.bench_model_dir)
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    one = dict(num_threads=1, kv_cache_gb=2.0)
     res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count()}
 
-    def go(name: str, kw: dict, batch: int, trace: bool = False) -> dict:
-        path = os.path.join(args.trace_dir, f"trace_{name}.json") if trace else None
+    def go(name: str, kw: dict, batch: int, trace: bool = True) -> dict:
+        traced = trace and kw.get("expert_workers", 0) > 0  # only worker processes record traces
+        path = os.path.join(args.trace_dir, f"trace_{name}.json") if traced else None
         if args.cluster == "ray" and kw.get("expert_workers", 0) > 0:
             kw = dict(kw, cluster="ray")
-        r = measure(kw, batch, args.tokens, args.prompt_len, vocab, args.repeats, path)
+        r = measure(kw, batch, args.tokens, args.prompt_len, vocab, model, path, args.repeats)
         r["trace"] = path
         busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
         print(f"  {name:<28} {r['decode_tok_s']:>8.1f} tok/s  TBT {r['tbt_ms']:>7.2f} ms{busy}", flush=True)
@@ -108,11 +167,11 @@ def main() -> None:
         print("2. attention workers in front of 1 expert worker (m=2, same batch per attention worker)")
         res["attention_workers"] = {
             n: go(f"a{n}_e1_m2", dict(attention_workers=n, expert_workers=1, micro_batches=2, **one),
-                  args.batch * n) for n in range(1, args.max_attention_workers + 1)}
+                  args.na_batch * n) for n in range(1, args.max_attention_workers + 1)}
     if "coloc" in args.only:
         print("3. colocated vs disaggregated on 2 cores")
         res["colocated_vs_disaggregated"] = {
-            "colocated_2_threads": go("colocated", dict(num_threads=2, kv_cache_gb=0.5), args.batch),
+            "colocated_2_threads": go("colocated", dict(num_threads=2, kv_cache_gb=2.0), args.batch),
             "disaggregated_a1_e1_m2": go("disagg", dict(expert_workers=1, micro_batches=2, **one), args.batch),
         }
         c = res["colocated_vs_disaggregated"]

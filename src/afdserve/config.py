@@ -27,7 +27,7 @@ class EngineConfig:
     gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
     expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
     comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
-    comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer once a step has started
+    comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer (per 256 tokens in flight)
     startup_timeout_s: float = 300.0
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
     load_window: int = 64  # engine steps of expert load kept for balancing and /metrics

@@ -116,7 +116,7 @@ class Engine:
         for i in order:
             seq, n = batch.seqs[i], batch.num_new[i]
             total = seq.num_computed + n
-            input_ids.extend(seq.token_ids[seq.num_computed : total])
+            input_ids.extend(seq.tokens(seq.num_computed, total))
             kv_slots.append(self.blocks.slots(seq.seq_id, total))
             qlens.append(n)
             if batch.samples(i):

@@ -16,6 +16,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
+        self._slots: dict[int, torch.Tensor] = {}  # per sequence: slots of its positions so far
 
     @property
     def num_free(self) -> int:
@@ -38,13 +39,22 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"KV cache: need {need} blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
-        table.extend(self._free.popleft() for _ in range(need))
+        new = [self._free.popleft() for _ in range(need)]
+        table.extend(new)
+        if new:  # slots of the new blocks, appended to the sequence's slot list
+            add = (torch.tensor(new, dtype=torch.int64)[:, None] * self.block_size
+                   + torch.arange(self.block_size)).reshape(-1)
+            have = self._slots.get(seq_id)
+            self._slots[seq_id] = add if have is None else torch.cat([have, add])
 
     def free(self, seq_id: int) -> None:
         self._free.extend(self.tables.pop(seq_id, ()))
+        self._slots.pop(seq_id, None)
 
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
-        """Cache slots of token positions [0, num_tokens) of a sequence."""
-        table = torch.tensor(self.tables[seq_id], dtype=torch.int64)
-        pos = torch.arange(num_tokens)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Cache slots of token positions [0, num_tokens) of a sequence (a view: the slots of a
+        sequence's blocks are computed once, when the blocks are reserved)."""
+        have = self._slots[seq_id]
+        if num_tokens > have.shape[0]:
+            raise ValueError(f"sequence {seq_id} holds {have.shape[0]} slots, {num_tokens} asked for")
+        return have[:num_tokens]

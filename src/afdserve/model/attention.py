@@ -39,17 +39,19 @@ class AttnMetadata:
         """``kv_slots[i]``: cache slots of all tokens of sequence i after this step; its last
         ``query_lens[i]`` tokens are the new ones."""
         kv_lens = [int(s.shape[0]) for s in kv_slots]
-        positions = torch.cat([torch.arange(k - q, k) for q, k in zip(query_lens, kv_lens)])
-        slot_mapping = torch.cat([s[k - q :] for s, q, k in zip(kv_slots, query_lens, kv_lens)])
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        dec = [i for i, q in enumerate(query_lens) if q == 1]
+        q = torch.tensor(query_lens, dtype=torch.int64)
+        kv = torch.tensor(kv_lens, dtype=torch.int64)
+        seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # sequence of each token
+        first = torch.cumsum(q, 0) - q  # first token row of each sequence
+        positions = (kv - q)[seq_of] + torch.arange(int(q.sum())) - first[seq_of]
+        padded = torch.nn.utils.rnn.pad_sequence(list(kv_slots), batch_first=True)  # [S, max_kv]
+        slot_mapping = padded[seq_of, positions]
+        dec = (q == 1).nonzero().squeeze(1)
         rows = slots = mask = None
-        if dec:
-            rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64)
-            slots = torch.nn.utils.rnn.pad_sequence([kv_slots[i] for i in dec], batch_first=True)
-            lens = torch.tensor([kv_lens[i] for i in dec])
+        if dec.numel():
+            rows = first[dec]
+            lens = kv[dec]
+            slots = padded[dec, : int(lens.max())]
             mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
         return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows, slots, mask)
 
@@ -114,10 +116,16 @@ class AttentionPart(nn.Module):
             start += qlen
         return out
 
+    DECODE_CHUNK = 32  # sequences per attention call: keeps the gathered keys/values in cache
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [S, nkv, L, hd]
-        vals = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, vals, attn_mask=meta.decode_mask,
-                                           scale=self.scale, enable_gqa=True)
-        return o[:, :, 0, :]
+        outs = []
+        for s in range(0, q.shape[0], self.DECODE_CHUNK):
+            e = s + self.DECODE_CHUNK
+            keys = k_cache[meta.decode_slots[s:e]].transpose(1, 2)  # [S, nkv, L, hd]
+            vals = v_cache[meta.decode_slots[s:e]].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[s:e, :, None, :], keys, vals, attn_mask=meta.decode_mask[s:e],
+                                               scale=self.scale, enable_gqa=True)
+            outs.append(o[:, :, 0, :])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -7,7 +7,8 @@ as ``m`` micro-batches; ``n_e`` expert worker processes hold ``E / n_e`` experts
   ``afdserve profile``): a discrete-event simulation of the runtime's own control flow
   (:func:`simulate_runtime`).  Each attention worker runs, per step, for every layer and micro-batch
   ``combine`` of the previous layer (one blocking ``recv`` per expert worker), attention
-  (``Ta = k1(s)*b + k2``) and ``dispatch`` (one ``send`` per expert worker), then the step overhead
+  (``Ta = k1(s)*b + k2``) and ``dispatch`` (one ``send`` per expert worker); after the last layer,
+  per micro-batch, the combine and its LM head (``runtime.lm_head_*``); then the step overhead
   (``step.fixed_s + step.per_token_s * b``); each expert worker loops ``gather`` (the next message of
   every attention worker that has one), runs the experts once per layer present over the merged
   tokens (``Te = k3*b_e + k4``) and sends each sender its partial sums.  Sends and takes cost the
@@ -44,6 +45,7 @@ __all__ = [
     "predict_iteration_time",
     "simulate_runtime",
     "micro_batch_sizes",
+    "pinned_round_robin",
     "tokens_per_expert_worker",
 ]
 
@@ -150,6 +152,9 @@ class RuntimeSim:
     step_overhead: float
     costs: RuntimeCosts
     steps: int = 6
+    # core of each process (attention workers first, then expert workers), when pinned; None: the
+    # processes share costs.cores cores as the OS balances them (processor sharing)
+    affinity: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,24 @@ class RuntimeSimResult:
     step_s: float  # steady-state decode step of the slowest attention worker
     busy: tuple[float, ...]  # busy fraction of each process over the simulated window
     makespan: float
+
+
+def _rates(running: list[_Proc], procs: list[_Proc], affinity: tuple[int, ...] | None,
+           cores: int) -> dict[int, float]:
+    """Processor sharing: the runnable processes of a core (pinned) or of the machine share it."""
+    if affinity is None:
+        r = 1.0 if cores <= 0 or not running else min(1.0, cores / len(running))
+        return {id(p): r for p in running}
+    index = {id(p): i for i, p in enumerate(procs)}
+    per_core: dict[int, int] = {}
+    for p in running:
+        per_core[affinity[index[id(p)]]] = per_core.get(affinity[index[id(p)]], 0) + 1
+    return {id(p): 1.0 / per_core[affinity[index[id(p)]]] for p in running}
+
+
+def pinned_round_robin(n_a: int, n_e: int, cores: int) -> tuple[int, ...]:
+    """Cores of the worker processes pinned round-robin (attention workers first, then experts)."""
+    return tuple(i % max(cores, 1) for i in range(n_a + n_e))
 
 
 def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
@@ -176,12 +199,13 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
         extra = (n_e - 1) * c.dispatch_per_worker_s
         for _step in range(cfg.steps):
             for layer in range(L + 1):
-                for k, _b in enumerate(cfg.micro_batches):
+                for k, b_k in enumerate(cfg.micro_batches):
                     if layer > 0:  # combine: one reply per expert worker, in order
                         for e in experts:
                             yield ("recv", ((e, me),), False)
                             yield ("cpu", c.take_s, None)
-                    if layer == L:
+                    if layer == L:  # this micro-batch's LM head, while the experts finish the others
+                        yield ("cpu", c.lm_head_time(b_k), None)
                         continue
                     yield ("cpu", cfg.ta[k] + extra, None)
                     for e in experts:
@@ -271,18 +295,16 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
             raise RuntimeError("runtime simulation did not finish")
         running = [p for p in procs if p.state == "cpu"]
         waking = [p for p in procs if p.state == "wake"]
-        rate = 1.0
-        if running and c.cores > 0:
-            rate = min(1.0, c.cores / len(running))
-        t_cpu = min((p.remaining for p in running), default=math.inf) / rate
+        rates = _rates(running, procs, cfg.affinity, c.cores)
+        t_cpu = min((p.remaining / rates[id(p)] for p in running), default=math.inf)
         t_wake = min((p.wake_at for p in waking), default=math.inf) - now
         dt = max(0.0, min(t_cpu, t_wake))
         if math.isinf(dt):
             raise RuntimeError("runtime simulation deadlocked")  # pragma: no cover
         now += dt
         for p in running:
-            p.remaining -= dt * rate
-            p.busy += dt * rate
+            p.remaining -= dt * rates[id(p)]
+            p.busy += dt * rates[id(p)]
         for p in running:
             if p.remaining <= 1e-15:
                 p.remaining = 0.0
@@ -319,9 +341,13 @@ def predict_local(
     *,
     gpu: str = "",
     method: str = "auto",
+    pinned: bool = False,
 ) -> LocalPrediction:
     """Predicted decoding step of a local deployment (see the module docstring for ``method``:
-    ``"auto"`` is ``"runtime"`` when the profile has runtime costs, else ``"analytic"``)."""
+    ``"auto"`` is ``"runtime"`` when the profile has runtime costs, else ``"analytic"``).
+
+    ``pinned`` (runtime method): the worker processes are pinned to the profile's cores round-robin
+    (attention workers first; :func:`pinned_round_robin`) instead of being balanced by the OS."""
     if min(n_a, n_e, m, batch_per_attention_worker) < 1:
         raise ValueError("n_a, n_e, m and batch_per_attention_worker must be >= 1")
     if method not in ("auto", "runtime", "analytic"):
@@ -340,6 +366,7 @@ def predict_local(
     b = batch_per_attention_worker
     sizes = micro_batch_sizes(b, m) if method == "runtime" else _even_sizes(b, m)
     step = profile.step_fixed_s + profile.step_per_token_s * b
+    lm_head = sum(profile.runtime.lm_head_time(x) for x in sizes) if profile.runtime is not None else 0.0
     ta = [att.time(b_a, seq_len) for b_a in sizes]
     pairs = [pm.expert_micro_batch(b_a, 1, spec.top_k, n_e) for b_a in sizes]  # from one attention worker
     toks = [tokens_per_expert_worker(b_a, spec, n_e, wire.dispatch) for b_a in sizes]
@@ -351,11 +378,12 @@ def predict_local(
         sim = simulate_runtime(RuntimeSim(
             n_a=n_a, n_e=n_e, num_layers=spec.num_layers, micro_batches=sizes, ta=tuple(ta),
             te_per_pair=exp.k3, te_fixed=exp.k4, pairs=tuple(pairs), tokens=tuple(toks), fwd_bytes=tuple(fwd),
-            back_bytes=tuple(back), step_overhead=step, costs=rt))
+            back_bytes=tuple(back), step_overhead=step, costs=rt,
+            affinity=pinned_round_robin(n_a, n_e, rt.cores) if pinned else None))
         te = [exp.time(p * n_a) for p in pairs]
         return LocalPrediction(
             iteration_s=sim.step_s,
-            pipeline_s=sim.step_s - step,
+            pipeline_s=sim.step_s - step - lm_head,
             ta_s=max(ta) + (n_e - 1) * rt.dispatch_per_worker_s,
             te_s=max(te),
             tc_a2e_s=rt.send_time(max(fwd)) + rt.take_s,
@@ -385,7 +413,7 @@ def predict_local(
             SimConfig(n_a=n_a, n_e=n_e, micro_batches=mm, num_layers=L, ta=ta, te=te, tc=max(tc_f), tc_back=max(tc_b))
         ).iteration_time
     return LocalPrediction(
-        iteration_s=pipe + step,
+        iteration_s=pipe + step + lm_head,
         pipeline_s=pipe,
         ta_s=max(ta),
         te_s=max(te),
@@ -412,7 +440,8 @@ def predict_iteration_time(
     model_spec: ModelSpec,
     *,
     method: str = "auto",
+    pinned: bool = False,
 ) -> float:
     """Seconds per decoding iteration of the local runtime (see :func:`predict_local`)."""
     return predict_local(profile, n_a, n_e, m, batch_per_attention_worker, seq_len, model_spec,
-                         method=method).iteration_s
+                         method=method, pinned=pinned).iteration_s

@@ -200,6 +200,10 @@ class RuntimeCosts:
     * ``dispatch_per_worker_s``: the attention worker's extra bookkeeping per micro-batch and layer
       for each expert worker beyond the first (the attention entry's ``k1``/``k2`` are measured
       dispatching to one);
+    * ``lm_head_s + lm_head_per_token_s * b``: the LM head of a micro-batch of ``b`` sequences, which
+      the runtime runs per micro-batch as soon as its last layer is combined (the profile's ``step``
+      overhead then excludes it); interpolated between ``lm_head_points`` (measured ``(b, s)``)
+      where given, the affine fit outside them;
     * ``cores``: CPU cores the worker processes share; with more runnable workers than cores they
       time-share them (0: every worker has its own core or device).
     """
@@ -212,6 +216,17 @@ class RuntimeCosts:
     wake_s: float = 0.0
     spin_s: float = 50e-6
     dispatch_per_worker_s: float = 0.0
+    lm_head_s: float = 0.0
+    lm_head_per_token_s: float = 0.0
+    lm_head_points: tuple[tuple[float, float], ...] = ()  # measured (b, seconds): interpolated
+
+    def lm_head_time(self, b: float) -> float:
+        if len(self.lm_head_points) >= 2:  # piecewise linear between the measured points
+            xs = [p[0] for p in self.lm_head_points]
+            ys = [p[1] for p in self.lm_head_points]
+            if xs[0] <= b <= xs[-1]:
+                return float(np.interp(b, xs, ys))
+        return self.lm_head_s + self.lm_head_per_token_s * b
 
     def send_time(self, nbytes: float, receiver_asleep: bool = False) -> float:
         return self.send_s + self.send_per_byte_s * nbytes + (self.ring_s if receiver_asleep else 0.0)
@@ -267,7 +282,8 @@ class Profile:
             "notes": self.notes,
         }
         if self.runtime is not None:
-            out["runtime"] = asdict(self.runtime)
+            out["runtime"] = {**asdict(self.runtime),
+                              "lm_head_points": [list(p) for p in self.runtime.lm_head_points]}
         if self.samples is not None:
             out["samples"] = self.samples
         return out
@@ -321,8 +337,15 @@ class Profile:
             runtime = None
             if rt_d:
                 known = {f.name for f in fields(RuntimeCosts)}
-                runtime = RuntimeCosts(**{k: (int(v) if k == "cores" else float(v)) for k, v in rt_d.items()
-                                          if k in known})
+
+                def conv(k: str, v: Any) -> Any:
+                    if k == "cores":
+                        return int(v)
+                    if k == "lm_head_points":
+                        return tuple(sorted((float(p[0]), float(p[1])) for p in v))
+                    return float(v)
+
+                runtime = RuntimeCosts(**{k: conv(k, v) for k, v in rt_d.items() if k in known})
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ConfigError(f"{source}: malformed profile: {e!r}") from e
         return cls(
@@ -408,11 +431,14 @@ def fit_affine(
     return [float(c) for c in coef], _rmse(a @ coef, yy)
 
 
-def fit_attention(samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str = "") -> AttentionCost:
+def fit_attention(
+    samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str = "", relative: bool = False
+) -> AttentionCost:
     """Fit ``Ta = (k1_tok + k1_ctx*s) * b + k2`` to ``(batch, seq_len, seconds)`` samples.
 
     With a single sequence length the ``s`` term cannot be separated: ``k1_ctx`` is then 0 and
     ``k1_tok`` is the slope at that length (``seq_len_range`` records where the fit is valid).
+    ``relative``: minimise relative errors (weights ``1/t``) instead of absolute ones.
     """
     arr = np.asarray(samples, dtype=float)
     if arr.ndim != 2 or arr.shape[1] != 3 or len(arr) < 2:
@@ -420,11 +446,12 @@ def fit_attention(samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str =
     b, s, t = arr[:, 0], arr[:, 1], arr[:, 2]
     if np.ptp(b) == 0:
         raise ValueError("fit_attention needs at least two different batch sizes")
+    w = 1.0 / np.maximum(t, 1e-12) if relative else None
     if np.ptp(s) > 0:
-        coef = _nonneg_lstsq(np.column_stack([b, b * s, np.ones_like(b)]), t)
+        coef = _nonneg_lstsq(np.column_stack([b, b * s, np.ones_like(b)]), t, w)
         k1_tok, k1_ctx, k2 = coef
     else:
-        k1_tok, k2 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t)
+        k1_tok, k2 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t, w)
         k1_ctx = 0.0
     pred = (k1_tok + k1_ctx * s) * b + k2
     return AttentionCost(
@@ -440,16 +467,18 @@ def fit_attention(samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str =
 
 
 def fit_expert(
-    samples: Sequence[Sequence[float]], *, tp: int = 1, experts_per_node: int = 1, gpu: str = ""
+    samples: Sequence[Sequence[float]], *, tp: int = 1, experts_per_node: int = 1, gpu: str = "",
+    relative: bool = False,
 ) -> ExpertCost:
-    """Fit ``Te = k3 * b_e + k4`` to ``(batch, seconds)`` or ``(batch, seq_len, seconds)`` samples."""
+    """Fit ``Te = k3 * b_e + k4`` to ``(batch, seconds)`` or ``(batch, seq_len, seconds)`` samples
+    (``relative``: minimise relative errors)."""
     arr = np.asarray(samples, dtype=float)
     if arr.ndim != 2 or arr.shape[1] not in (2, 3) or len(arr) < 2:
         raise ValueError("fit_expert needs at least 2 (batch, seconds) samples")
     b, t = arr[:, 0], arr[:, -1]
     if np.ptp(b) == 0:
         raise ValueError("fit_expert needs at least two different batch sizes")
-    k3, k4 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t)
+    k3, k4 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t, 1.0 / np.maximum(t, 1e-12) if relative else None)
     return ExpertCost(
         k3=float(k3),
         k4=float(k4),

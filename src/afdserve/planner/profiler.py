@@ -37,7 +37,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -51,8 +52,8 @@ from afdserve.planner.profile import (
     Profile,
     RuntimeCosts,
     WireFormat,
-    fit,
     fit_affine,
+    fit_attention,
     fit_expert,
     fit_network,
     save_profile,
@@ -88,10 +89,11 @@ class ProfileGrid:
     pairs_per_expert: tuple[int, ...] = (2, 4, 8, 16, 32, 64)  # b_e / experts held
     experts_per_node: tuple[int, ...] | None = None  # default: every divisor of E
     msg_tokens: tuple[int, ...] = (1, 16, 64, 256, 1024)  # tokens per M2N message
-    step_batches: tuple[int, ...] = (1, 8, 32, 64)  # sequences per engine step
+    step_batches: tuple[int, ...] = (1, 4, 8, 16, 24, 32, 48, 64)  # sequences per engine step
     dispatch_workers: tuple[int, ...] = (1, 2, 4)  # expert workers a micro-batch is dispatched to
-    repeats: int = 7  # timed calls per point (median)
-    transport_repeats: int = 60
+    repeats: int = 9  # timed calls per point and pass (median)
+    passes: int = 3  # passes over the grid; a point's time is the least of its passes' medians
+    transport_repeats: int = 100
 
 
 DEFAULT_GRID = ProfileGrid()
@@ -103,8 +105,9 @@ QUICK_GRID = ProfileGrid(
     msg_tokens=(1, 64, 512),
     step_batches=(1, 16, 48),
     dispatch_workers=(1, 2),
-    repeats=3,
-    transport_repeats=20,
+    repeats=5,
+    passes=2,
+    transport_repeats=40,
 )
 
 
@@ -135,6 +138,22 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def idle_fraction(seconds: float = 1.0) -> float:
+    """Fraction of the machine's CPU time that was idle over ``seconds`` (/proc/stat; 1.0 if unknown)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+
+    try:
+        a = read()
+        time.sleep(seconds)
+        b = read()
+    except (OSError, ValueError, IndexError):
+        return 1.0
+    return (b[0] - a[0]) / max(1, b[1] - a[1])
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -161,15 +180,37 @@ class CacheFlusher:
             self._buf.fill_(self._val)
 
 
+_cpu = time.thread_time  # CPU time of this thread: what the call costs even when other processes take turns
+
+
 def _median_time(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None) -> float:
+    """Median CPU time of ``fn`` (this thread's; equal to wall time on an idle core, and unaffected
+    by other processes time-sharing it), ``before`` running untimed before each call."""
     ts = []
     for _ in range(repeats):
         if before is not None:
             before()
-        t0 = time.perf_counter()
+        t0 = _cpu()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(_cpu() - t0)
     return float(statistics.median(ts))
+
+
+class _CpuTracer:
+    """Stands in for ``runtime.trace.Tracer``: spans in this thread's CPU time."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] = []  # name, phase, start, end
+
+    @contextmanager
+    def span(self, name: str, **args: object) -> Iterator[None]:
+        t0 = _cpu()
+        try:
+            yield
+        finally:
+            self.spans.append((name, str(args.get("phase", "")), t0, _cpu()))
 
 
 def _divisors(n: int) -> tuple[int, ...]:
@@ -427,15 +468,15 @@ def _transport_peer(argv: Sequence[str]) -> None:
                 for i in range(n + 2):
                     if phase == "busy":
                         _spin(busy)  # "computing" while the next message arrives
-                    t0 = time.perf_counter()
+                    t0 = _cpu()
                     for _i, msg in links.gather(30.0):
                         msg.release()
-                    t1 = time.perf_counter()
+                    t1 = _cpu()
                     links.send(0, reply, (0, 0, 0, 0))
-                    t2 = time.perf_counter()
+                    t2 = _cpu()
                     if i >= 2:
                         if phase == "busy":
-                            take.append(t1 - t0)
+                            take.append(t1 - t0)  # CPU time: the message was there, nothing to wait for
                             ring.append(t2 - t1)  # the sender sleeps in recv by now
                         else:
                             fast.append(t2 - t1)
@@ -461,6 +502,24 @@ class TransportSamples:
                 "wake": self.wake}
 
 
+def _pin_pair(peer_pid: int, pin: bool) -> set[int] | None:
+    """Pins this process and the peer to two different cores (as a deployment's workers on cores
+    of their own); returns this process's previous affinity (None: not pinned)."""
+    if not pin or not hasattr(os, "sched_setaffinity"):
+        return None
+    mask = os.sched_getaffinity(0)
+    if len(mask) < 2:
+        return None
+    a, b = sorted(mask)[:2]
+    os.sched_setaffinity(0, {a})
+    try:
+        os.sched_setaffinity(peer_pid, {b})
+    except OSError:
+        os.sched_setaffinity(0, mask)
+        return None
+    return mask
+
+
 def measure_transport(
     hidden: int,
     top_k: int,
@@ -468,6 +527,7 @@ def measure_transport(
     repeats: int,
     dtype: str = "float32",
     log: Callable[[str], None] = lambda s: None,
+    pin: bool = True,
 ) -> TransportSamples:
     """Two processes connected by ``afdserve.comm`` as the runtime connects its workers (``Links``,
     transport ``auto``: shared memory on one x86-64 machine), exchanging dispatch messages
@@ -475,11 +535,16 @@ def measure_transport(
     phases per size:
 
     * *fast*: each side sends as soon as it has the other's message (the receiver is still spinning):
-      half the round trip is the transport's one-way time (the planner's latency / bandwidth / Util);
+      half the round trip (wall time) is the transport's one-way time (the planner's latency /
+      bandwidth / Util);
     * *asleep*: the sender computes 1 ms first, so the receiver has gone to sleep in ``poll``: the
       extra round-trip time is the wake-up latency (and the sender's ``send`` rings the socket);
     * *busy*: the receiver computes 1 ms before it looks, so the message is already there: the cost
       of taking it (``gather`` + ``release``), as an expert worker between two rounds.
+
+    Sends and takes are timed in CPU time, round trips in wall time (so profile an idle machine).
+    With ``pin`` (and two cores or more) the two processes are pinned to two different cores, as
+    workers on cores of their own: a wake-up then crosses cores.
     """
     import json
     import subprocess
@@ -499,6 +564,7 @@ def measure_transport(
     proc = subprocess.Popen([sys.executable, "-m", "afdserve.planner.profiler", "--transport-peer", arg], env=env)
     res = TransportSamples()
     links = None
+    mask = _pin_pair(proc.pid, pin)
     try:
         links = _links("attention", "expert", store.addr, group, slot_bytes)
         mine = []
@@ -512,13 +578,13 @@ def measure_transport(
                 for i in range(repeats + 2):
                     if phase == "asleep":
                         _spin(busy)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), _cpu()
                     links.send(0, msg, (0, 0, 0, 0))
-                    t1 = time.perf_counter()
+                    c1 = _cpu()
                     links.recv(0, 30.0).release()
                     if i >= 2 and phase in t_rtt:
                         t_rtt[phase].append(time.perf_counter() - t0)
-                        t_send[phase].append(t1 - t0)
+                        t_send[phase].append(c1 - c0)
             mine.append((fwd, back, {k: statistics.median(v) for k, v in t_rtt.items()},
                          {k: statistics.median(v) for k, v in t_send.items()}))
         msg = links.recv(0, 30.0)
@@ -537,6 +603,8 @@ def measure_transport(
                 f"take {take * 1e6:6.1f} us  wake-up {wake * 1e6:6.1f} us")
         proc.wait(30)
     finally:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
         if links is not None:
             links.close()
         if proc.poll() is None:
@@ -579,22 +647,23 @@ def measure_step(
     dtype: str = "float32",
     prompt_len: int = 8,
     log: Callable[[str], None] = lambda s: None,
-) -> list[list[float]]:
-    """``[b, seconds]``: the per-step work of an attention worker outside its layers -- scheduling,
-    metadata, micro-batch split, embedding, LM head, sampling, detokenizing, and shipping the
-    outputs over a pipe as the worker does.  Timed with the real ``Engine`` driving the attention
-    worker's ``PipelinedRunner`` (loop-back links, one expert worker, ``m = 1``): a decode step's
-    time minus the span from its first layer's attention to its last layer's combine (from the
-    runner's own trace)."""
+) -> tuple[list[list[float]], list[list[float]]]:
+    """``([b, overhead_s], [rows, lm_head_s])``: the per-step work of an attention worker outside
+    its layers -- scheduling, metadata, micro-batch split, embedding, sampling, detokenizing, and
+    shipping the outputs over a pipe as the worker does -- and the LM head of a micro-batch (timed
+    apart because the runtime runs it per micro-batch).  Timed in CPU time with the real ``Engine``
+    driving the attention worker's ``PipelinedRunner`` (loop-back links, one expert worker,
+    ``m = 1``): a decode step minus the span from its first layer's attention to its last span,
+    the LM head spans from the runner's own trace (when the runtime traces it; otherwise the LM
+    head stays in the overhead)."""
     from afdserve.config import EngineConfig
     from afdserve.engine.builder import build_attention_engine
     from afdserve.engine.sampling_params import SamplingParams
     from afdserve.model.config import ModelConfig
     from afdserve.runtime.expert_map import ExpertMap
-    from afdserve.runtime.trace import Tracer
 
     cfg_m = ModelConfig.from_pretrained(model_path)
-    out = []
+    over, head = [], []
     sink = _PipeSink()
     try:
         for b in batches:
@@ -604,7 +673,7 @@ def measure_step(
                                 max_model_len=max_len, num_kv_blocks=b * -(-max_len // 16) + 1)
             eng = build_attention_engine(ecfg, Path(model_path), cfg_m, moe=lambda *a: None)
             base = eng.runner
-            tracer = Tracer("profile", enabled=True)
+            tracer = _CpuTracer()
             links = LoopbackLinks(cfg_m.hidden_size, base.model.dtype, on_recv=flush)
             emap = ExpertMap.contiguous(cfg_m.num_layers, cfg_m.num_experts, 1)
             eng.runner = _runner(base.model, base.kv, links, emap, tracer)
@@ -615,27 +684,28 @@ def measure_step(
                 eng.add_request({"prompt_token_ids": ids}, params, request_id=f"p{i}")
             eng.step()  # prefill
             sink.conn.send(("out", [], {}))
-            ts = []
+            ts, hs = [], []
             for _ in range(repeats):
                 flush()
                 tracer.spans.clear()
-                t0 = time.perf_counter()
+                t0 = _cpu()
                 outs = eng.step()
                 stats = {"running": len(eng.scheduler.running), "step_s": eng.last_step.seconds}
                 sink.conn.send(("out", outs, stats))
-                total = time.perf_counter() - t0
-                layer_spans = [sp for sp in tracer.spans if sp.name in ("attention", "send", "wait")]
-                first = min(sp.start_us for sp in layer_spans)
-                last = max(sp.start_us + sp.dur_us for sp in layer_spans)
-                ts.append(total - (last - first) / 1e6)
-            t = float(statistics.median(ts))
-            out.append([float(b), t])
-            log(f"  step overhead b={b:<4} {t * 1e3:8.3f} ms")
+                total = _cpu() - t0
+                first = min(sp[2] for sp in tracer.spans)
+                last = max(sp[3] for sp in tracer.spans)
+                ts.append(total - (last - first))
+                lm = [sp[3] - sp[2] for sp in tracer.spans if sp[1] == "lm_head"]
+                hs.append(sum(lm) if lm else 0.0)
+            t, h = float(statistics.median(ts)), float(statistics.median(hs))
+            over.append([float(b), t])
+            head.append([float(b), h])
+            log(f"  step overhead b={b:<4} {t * 1e3:8.3f} ms   LM head {h * 1e3:8.3f} ms")
             del eng
     finally:
         sink.close()
-    return out
-
+    return over, head
 
 
 # --------------------------------------------------------------------------------------------
@@ -694,18 +764,40 @@ def run_profile(
     t_start = time.perf_counter()
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
+    idle = idle_fraction()
     log(f"profiling {path} ({dtype}) on {cpu_name()}, {cpu_cores()} cores; LLC {llc_bytes() >> 20} MiB"
-        f"{' evicted before every timed call' if evict else ' (warm: not evicted)'}")
-    log("attention worker, per micro-batch and layer:")
-    att = measure_attention(path, attention_points(grid, cfg.num_experts), grid.repeats, flush, dtype, log=log)
+        f"{' evicted before every timed call' if evict else ' (warm: not evicted)'}; machine {idle:.0%} idle")
+    if idle < 0.8:
+        log("warning: other processes are using the CPUs; compute is timed in CPU time, but the transport's "
+            "latencies (wall time) will be inflated -- profile an idle machine")
+    passes = max(1, grid.passes)
+    quiet = (lambda s: None) if passes > 1 else log
+
+    def least(runs: list[list[list[float]]], key: int) -> list[list[float]]:
+        """Per point, the pass with the least time: other processes' work only ever adds time."""
+        return [min(rows, key=lambda r: r[key]) for rows in zip(*runs)]
+
+    log(f"attention worker, per micro-batch and layer ({passes} passes x {grid.repeats} calls):")
+    points = attention_points(grid, cfg.num_experts)
+    att = least([measure_attention(path, points, grid.repeats, flush, dtype, log=quiet) for _ in range(passes)], 3)
+    for b, s, n_e, t in att:
+        log(f"  b={int(b):<4} s={int(s):<5} n_e={int(n_e):<2} {t * 1e6:9.1f} us")
     log("expert worker, per layer:")
     epns = grid.experts_per_node or _divisors(cfg.num_experts)
     epns = tuple(e for e in epns if 1 <= e <= cfg.num_experts and cfg.num_experts % e == 0)
-    exp = measure_expert(path, epns, grid.pairs_per_expert, grid.repeats, flush, dtype, log=log)
+    exp_runs = [measure_expert(path, epns, grid.pairs_per_expert, grid.repeats, flush, dtype, log=quiet)
+                for _ in range(passes)]
+    exp = {e: least([run[e] for run in exp_runs], 1) for e in epns}
+    for e, rows in exp.items():
+        log(f"  experts={e:<3} " + "  ".join(f"{int(p)} pairs {t * 1e6:.0f} us" for p, t in rows))
     log("M2N transport (afdserve.comm between two processes):")
     tr = measure_transport(cfg.hidden_size, cfg.top_k, grid.msg_tokens, grid.transport_repeats, dtype, log=log)
     log("engine step outside the layers:")
-    step = measure_step(path, grid.step_batches, grid.repeats, flush, dtype, log=log)
+    step_runs = [measure_step(path, grid.step_batches, grid.repeats, flush, dtype, log=quiet) for _ in range(passes)]
+    step = least([r[0] for r in step_runs], 1)
+    lm_head = least([r[1] for r in step_runs], 1)
+    for (b, t), (_, h) in zip(step, lm_head):
+        log(f"  b={int(b):<4} overhead {t * 1e3:8.3f} ms   LM head {h * 1e3:8.3f} ms")
 
     att_1 = [[r[0], r[1], r[3]] for r in att if r[2] == 1]
     try:
@@ -717,28 +809,35 @@ def run_profile(
                                  bandwidth_Bps=memcpy_gbps(64 << 20, 3) * 1e9)
         log(f"  (one-way time does not grow with these sizes: bandwidth bounded by memcpy, "
             f"{network.bandwidth_Bps / 1e9:.1f} GB/s)")
-    prof = fit(
-        _model_name(path),
-        attention_samples=att_1,
-        gpu=gpu,
+    prof = Profile(
+        model=_model_name(path),
+        attention=(fit_attention(att_1, tp=1, gpu=gpu, relative=True),),
+        expert=tuple(fit_expert(rows, tp=1, experts_per_node=e, gpu=gpu, relative=True) for e, rows in exp.items()),
+        network=network,
         wire=WireFormat(act_bytes=elem, meta_bytes_per_token=cfg.top_k * 8, dispatch="routed"),
         device=f"{cpu_name()} ({cpu_cores()} cores, 1 thread per worker)",
     )
-    experts = tuple(fit_expert(rows, tp=1, experts_per_node=e, gpu=gpu) for e, rows in exp.items())
-    (fixed, per_tok), _ = fit_affine([[1.0] * len(step), [r[0] for r in step]], [r[1] for r in step])
+    (fixed, per_tok), _ = fit_affine([[1.0] * len(step), [r[0] for r in step]], [r[1] for r in step], relative=True)
     runtime = fit_runtime(tr, att, cpu_cores(), CommConfig().spin_s)
-    samples = dict(prof.samples or {})
+    if any(r[1] > 0 for r in lm_head):
+        (h0, h1), _ = fit_affine([[1.0] * len(lm_head), [r[0] for r in lm_head]], [r[1] for r in lm_head],
+                                 relative=True)
+        runtime = replace(runtime, lm_head_s=h0, lm_head_per_token_s=h1,
+                          lm_head_points=tuple(sorted((r[0], r[1]) for r in lm_head)))
+    samples: dict[str, list[list[float]]] = {"attention": att_1}
     samples["attention_workers"] = [list(map(float, r)) for r in att]
     samples["expert"] = [[float(e), r[0], r[1]] for e, rows in exp.items() for r in rows]
     samples.update({f"transport_{k}": v for k, v in tr.as_dict().items()})
     samples["step"] = step
+    samples["lm_head"] = lm_head
     took = time.perf_counter() - t_start
     notes = (f"afdserve profile: {len(att)} attention, {sum(len(v) for v in exp.values())} expert, "
-             f"{len(tr.oneway)} transport, {len(step)} step points; median of {grid.repeats} calls "
+             f"{len(tr.oneway)} transport, {len(step)} step points; least of {passes} passes' medians of "
+             f"{grid.repeats} calls "
              f"({grid.transport_repeats} round trips); caches {'evicted before each call' if evict else 'warm'}; "
-             f"dtype {dtype}; torch {torch.__version__}; {took:.0f} s")
+             f"dtype {dtype}; torch {torch.__version__}; {took:.0f} s; machine {idle:.0%} idle at the start")
     samples["network"] = [list(map(float, r)) for r in tr.oneway]
-    return replace(prof, expert=experts, network=network, step_fixed_s=fixed, step_per_token_s=per_tok, runtime=runtime,
+    return replace(prof, step_fixed_s=fixed, step_per_token_s=per_tok, runtime=runtime,
                    samples=samples, notes=notes)
 
 
@@ -758,6 +857,9 @@ def summary(prof: Profile) -> str:
         lines.append(f"M2N one-way: latency {n.latency_s * 1e6:.1f} us, bandwidth {n.bandwidth_Bps / 1e9:.2f} GB/s; "
                      f"Util(64 KiB) {u(65536):.2f}, Util(1 MiB) {u(1 << 20):.2f}")
     lines.append(f"step overhead: {prof.step_fixed_s * 1e3:.3f} ms + {prof.step_per_token_s * 1e6:.1f} us/sequence")
+    if prof.runtime is not None and (prof.runtime.lm_head_s or prof.runtime.lm_head_per_token_s):
+        lines.append(f"LM head per micro-batch: {prof.runtime.lm_head_s * 1e3:.3f} ms + "
+                     f"{prof.runtime.lm_head_per_token_s * 1e6:.1f} us/sequence")
     if prof.runtime is not None:
         r = prof.runtime
         lines.append(f"runtime: send {r.send_s * 1e6:.1f} us + {r.send_per_byte_s * 1e12:.1f} ps/B "
@@ -792,7 +894,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--experts-per-node", type=_ints, help="expert counts per worker (default: divisors of E)")
     p.add_argument("--msg-tokens", type=_ints, help="tokens per M2N message")
     p.add_argument("--step-batches", type=_ints, help="sequences per engine step")
-    p.add_argument("--repeats", type=int, help="timed calls per point (median)")
+    p.add_argument("--repeats", type=int, help="timed calls per point and pass (median)")
+    p.add_argument("--passes", type=int, help="passes over the grid (a point keeps its least median)")
     p.add_argument("--warm", action="store_true", help="do not evict the caches before timed calls")
     p.add_argument("--gpu", default="cpu", help="device label of the entries (catalog name; default cpu)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -818,10 +921,12 @@ def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
     for name in ("batches", "seq_lens", "pairs_per_expert", "experts_per_node", "msg_tokens", "step_batches"):
         if getattr(args, name, None):
             over[name] = tuple(getattr(args, name))
-    if args.repeats:
-        if args.repeats < 1:
-            raise argparse.ArgumentTypeError("--repeats must be >= 1")
-        over["repeats"] = args.repeats
+    for name in ("repeats", "passes"):
+        v = getattr(args, name, None)
+        if v is not None:
+            if v < 1:
+                raise SystemExit(f"afdserve profile: --{name} must be >= 1")
+            over[name] = v
     return replace(g, **over)
 
 

@@ -101,9 +101,12 @@ class PipelinedRunner:
 
     def _combine(self, mb: int, layer: int, f: _InFlight) -> torch.Tensor:
         routed = torch.zeros_like(f.y)
+        # a dead peer is detected at once; a stalled one after the deadline, which grows with the
+        # work in flight (a large prefill keeps an expert busy for a while)
+        timeout = self.timeout * max(1.0, f.y.shape[0] / 256)
         for j, tokens in f.parts:
             with self.tracer.span("wait", mb=mb, layer=layer, peer=j):
-                msg = self.links.recv(j, self.timeout)
+                msg = self.links.recv(j, timeout)
             try:
                 part = msg.tensors[0]
                 if tokens is None:

@@ -27,13 +27,14 @@ class Tracer:
         self.pid = os.getpid()
 
     @contextmanager
-    def span(self, name: str, **args: object) -> Iterator[None]:
+    def span(self, name: str, **args: object) -> Iterator[dict]:
+        """Records the enclosed block; the yielded dict is the span's args (add to it inside)."""
         if not self.enabled:
-            yield
+            yield args
             return
         t0 = time.time_ns() / 1e3
         try:
-            yield
+            yield args
         finally:
             if len(self.spans) < self.limit:
                 self.spans.append(Span(name, t0, time.time_ns() / 1e3 - t0, args))

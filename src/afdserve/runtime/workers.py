@@ -104,8 +104,9 @@ class AttentionWorker:
                     self.tracer.spans.append(_idle_span(t0))
                 continue
             try:
-                with self.tracer.span("step", step=self.runner.step_no + 1):
+                with self.tracer.span("step", step=self.runner.step_no + 1) as span:
                     outs = eng.step()
+                    span["tokens"] = eng.last_step.num_tokens
             except PeerFailure as e:
                 self._fail_all(str(e), ctl)
                 continue

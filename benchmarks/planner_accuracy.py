@@ -1,0 +1,270 @@
+"""Planner against reality: predicted vs measured decode iteration time of local deployments.
+
+Takes a fresh profile of this machine (``afdserve profile``; or ``--profile PATH``), then for each
+deployment ``(n_a, n_e, m, batch)`` -- ``batch`` sequences per attention worker, ``n_a * batch`` in
+all -- runs the demo model on the real runtime (``LLM(attention_workers=n_a, expert_workers=n_e,
+micro_batches=m, num_threads=1)``) and measures the decode iteration time without prefill::
+
+    step = (T(N tokens) - T(1 token)) / (N - 1)        (best of --repeats interleaved runs of each,
+                                                        as benchmarks/pingpong.py: other processes
+                                                        on the machine only ever add time)
+
+and predicts it with ``planner.predict_local`` (the simulated runtime, and the paper's analytic
+pipeline model for reference) at the mean context length of those decode steps.  Prints the error
+table and writes JSON.
+
+Deployments with more worker processes than cores time-share the cores; the runtime model simulates
+that (processor sharing over the profile's core count).  The table marks them.
+
+    python benchmarks/planner_accuracy.py [--profile out/profile.json] [--json out/planner_accuracy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# (n_a, n_e, m, sequences per attention worker)
+DEFAULT_DEPLOYMENTS = "1,1,1,16;1,1,2,32;1,1,3,48;1,1,2,64;1,1,1,64;2,1,2,32;1,2,2,32;2,2,2,32;2,1,1,16"
+
+
+def parse_deployments(text: str) -> list[tuple[int, int, int, int]]:
+    out = []
+    for part in text.split(";"):
+        if part.strip():
+            vals = tuple(int(x) for x in part.split(","))
+            if len(vals) != 4 or min(vals) < 1:
+                raise argparse.ArgumentTypeError(f"deployment {part!r}: expected n_a,n_e,m,batch (positive)")
+            out.append(vals)
+    return out  # type: ignore[return-value]
+
+
+def wait_idle(threshold: float, max_wait_s: float) -> float:
+    """Waits (up to ``max_wait_s``) until the machine's CPUs were at least ``threshold`` idle over a
+    second; returns the last idle fraction.  Other processes' work only adds to a measurement."""
+    from afdserve.planner.profiler import idle_fraction
+
+    end = time.monotonic() + max_wait_s
+    idle = idle_fraction(1.0)
+    while idle < threshold and time.monotonic() < end:
+        idle = idle_fraction(1.0)
+    return idle
+
+
+def pin_workers(llm, cores: list[int]) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Pins the deployment's worker processes round-robin to ``cores`` (attention workers first),
+    as ``planner.local.pinned_round_robin`` assumes."""
+    workers = llm.engine.workers
+    order = sorted((n for n in workers if n.startswith("attention")), key=lambda n: int(n[9:]))
+    order += sorted((n for n in workers if n.startswith("expert")), key=lambda n: int(n[6:]))
+    out = {}
+    for i, name in enumerate(order):
+        os.sched_setaffinity(workers[name].pid, {cores[i % len(cores)]})
+        out[name] = cores[i % len(cores)]
+    return out
+
+
+def measure(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int, repeats: int,
+            vocab: int, idle: float = 0.0, max_wait_s: float = 0.0, pin: bool = False) -> dict:
+    """Decode step of the real runtime: (T(N) - T(1)) / (N - 1), best of ``repeats`` runs each."""
+    from afdserve import LLM, SamplingParams
+
+    rng = random.Random(1000 * n_a + 100 * n_e + 10 * m + batch)
+    total = n_a * batch
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(total)]
+    kw = dict(attention_workers=n_a, expert_workers=n_e, micro_batches=m, num_threads=1, kv_cache_gb=0.25,
+              max_num_seqs=batch)
+    t_start = time.perf_counter()
+    with LLM(None, **kw) as llm:
+        pinned = pin_workers(llm, sorted(os.sched_getaffinity(0))) if pin else None
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))  # warm-up
+
+        idles: list[float] = []
+
+        def run(n: int) -> float:
+            if idle > 0:
+                idles.append(wait_idle(idle, max_wait_s))
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            return time.perf_counter() - t0
+
+        t1, tn = [], []
+        for _ in range(repeats):  # interleaved, so slow phases of a noisy machine hit both
+            t1.append(run(1))
+            tn.append(run(tokens))
+    step = (min(tn) - min(t1)) / (tokens - 1)
+    per_run = [(b - a) / (tokens - 1) for a, b in zip(t1, tn)]
+    return {"step_s": step, "step_median_s": (statistics.median(tn) - statistics.median(t1)) / (tokens - 1),
+            "step_runs_s": per_run, "t1_s": t1, "tn_s": tn, "idle_before_runs": idles, "pinned": pinned,
+            "wall_s": time.perf_counter() - t_start}
+
+
+def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int, vocab: int, path: str,
+             pin: bool = False) -> dict:
+    """One traced run: medians of the workers' spans (ms), for comparing the model's parts."""
+    from afdserve import LLM, SamplingParams
+
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(n_a * batch)]
+    with LLM(None, attention_workers=n_a, expert_workers=n_e, micro_batches=m, num_threads=1, kv_cache_gb=0.25,
+             max_num_seqs=batch, trace=path) as llm:
+        if pin:
+            pin_workers(llm, sorted(os.sched_getaffinity(0)))
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        llm.engine.collect("trace")  # drop the warm-up's spans
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        per = llm.engine.collect("trace")
+    from afdserve.runtime.trace import write_chrome_trace
+
+    write_chrome_trace(path, per)
+    out: dict = {}
+    for worker, evs in per.items():
+        spans: dict[str, list[float]] = {}
+        steps = sorted((e for e in evs if e.get("ph") == "X" and e["name"] == "step"), key=lambda e: e["ts"])
+        for e in evs:
+            if e.get("ph") != "X":
+                continue
+            name = e["name"] + ("/" + e["args"]["phase"] if e["args"].get("phase") else "")
+            if name == "step" and e is steps[0]:
+                continue  # prefill
+            spans.setdefault(name, []).append(e["dur"] / 1e3)
+            if e["name"] == "expert":
+                spans.setdefault("expert_senders", []).append(float(e["args"].get("senders", 1)))
+        if len(steps) > 2:  # decode step period (start to start), excluding the prefill step
+            spans["step_period"] = [(b["ts"] - a["ts"]) / 1e3 for a, b in zip(steps[1:], steps[2:])]
+        out[worker] = {k: statistics.median(v) for k, v in spans.items()}
+        out[worker]["count"] = {k: len(v) for k, v in spans.items()}
+    return out
+
+
+def fmt_table(rows: list[dict], cores: int, modes: list[str]) -> str:
+    head = ["n_a", "n_e", "m", "batch/attn", "batch", "procs"]
+    for mode in modes:
+        head += [f"{mode} ms", "predicted", "error"]
+    head += ["analytic", "error"]
+    lines = []
+    for r in rows:
+        line = [str(r["n_a"]), str(r["n_e"]), str(r["m"]), str(r["batch_per_attention_worker"]),
+                str(r["global_batch"]), f"{r['processes']}{'*' if r['processes'] > cores else ''}"]
+        for mode in modes:
+            x = r[mode]
+            line += [f"{x['measured_ms']:.1f}", f"{x['predicted_ms']:.1f}", f"{x['error'] * 100:+.1f}%"]
+        ref = r[modes[0]]
+        line += [f"{r['analytic_ms']:.1f}", f"{(r['analytic_ms'] / ref['measured_ms'] - 1) * 100:+.1f}%"]
+        lines.append(line)
+    widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", type=Path, help="use this profile instead of measuring a fresh one")
+    ap.add_argument("--profile-out", type=Path, default=Path("out/profile.json"),
+                    help="where to save the fresh profile (default out/profile.json)")
+    ap.add_argument("--quick-profile", action="store_true", help="profile with the quick grid")
+    ap.add_argument("--deployments", type=parse_deployments, default=parse_deployments(DEFAULT_DEPLOYMENTS),
+                    help=f"n_a,n_e,m,batch per attention worker; ';'-separated (default {DEFAULT_DEPLOYMENTS})")
+    ap.add_argument("--modes", default="pinned,unpinned",
+                    help="pinned: workers pinned round-robin to the cores (attention first); unpinned: the OS "
+                         "places them (default: both)")
+    ap.add_argument("--tokens", type=int, default=24, help="N: tokens generated per sequence (default 24)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of T(1) and T(N) per deployment (best of)")
+    ap.add_argument("--json", type=Path, default=Path("out/planner_accuracy.json"))
+    ap.add_argument("--wait-idle", type=float, default=0.85, metavar="FRACTION",
+                    help="before each timed run wait until the CPUs were this idle over a second (0: don't; "
+                         "default 0.85)")
+    ap.add_argument("--max-wait", type=float, default=120.0, help="longest wait for an idle machine per run (s)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also one traced run per deployment: median spans per worker (in the JSON)")
+    args = ap.parse_args()
+    if args.tokens < 3:
+        ap.error("--tokens must be >= 3")
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not modes or any(x not in ("pinned", "unpinned") for x in modes):
+        ap.error("--modes: pinned and/or unpinned")
+
+    from afdserve.model.config import ModelConfig
+    from afdserve.model.demo import demo_model_path
+    from afdserve.planner import load_model_spec, load_profile, predict_local, save_profile
+    from afdserve.planner.profiler import QUICK_GRID, DEFAULT_GRID, cpu_cores, run_profile, summary
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    if args.profile:
+        prof = load_profile(args.profile)
+        print(f"profile {args.profile}")
+    else:
+        print("profiling this machine (afdserve profile) ...", flush=True)
+        prof = run_profile(None, QUICK_GRID if args.quick_profile else DEFAULT_GRID)
+        args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+        save_profile(prof, args.profile_out)
+        print(f"wrote {args.profile_out} ({time.perf_counter() - t0:.0f} s)")
+    print(summary(prof))
+    spec = load_model_spec("demo")
+    vocab = ModelConfig.from_pretrained(demo_model_path()).vocab_size
+    cores = prof.runtime.cores if prof.runtime is not None else cpu_cores()
+    # mean context over the decode steps 2..N: the step producing token k attends prompt_len + k tokens
+    seq_len = args.prompt_len + (args.tokens + 2) / 2
+    rows = []
+    for n_a, n_e, m, b in args.deployments:
+        ana = predict_local(prof, n_a, n_e, m, b, seq_len, spec, method="analytic")
+        row: dict = {"n_a": n_a, "n_e": n_e, "m": m, "batch_per_attention_worker": b, "global_batch": n_a * b,
+                     "processes": n_a + n_e, "shares_cores": n_a + n_e > cores, "seq_len": seq_len,
+                     "analytic_ms": ana.iteration_s * 1e3}
+        for mode in modes:
+            pred = predict_local(prof, n_a, n_e, m, b, seq_len, spec, pinned=mode == "pinned")
+            meas = measure(n_a, n_e, m, b, args.tokens, args.prompt_len, args.repeats, vocab, args.wait_idle,
+                           args.max_wait, pin=mode == "pinned")
+            row[mode] = {"measured_ms": meas["step_s"] * 1e3, "predicted_ms": pred.iteration_s * 1e3,
+                         "error": pred.iteration_s / meas["step_s"] - 1,
+                         "prediction": {"method": pred.method, "ta_ms": pred.ta_s * 1e3, "te_ms": pred.te_s * 1e3,
+                                        "outside_layers_ms": (pred.iteration_s - pred.pipeline_s) * 1e3,
+                                        "micro_batches": list(pred.micro_batch_sizes), "busy": list(pred.busy)},
+                         "measurement": meas, "loadavg": os.getloadavg()}
+            print(f"  n_a={n_a} n_e={n_e} m={m} batch={b:<3} {mode:>8}: measured {meas['step_s'] * 1e3:7.1f} ms  "
+                  f"predicted {pred.iteration_s * 1e3:7.1f} ms ({row[mode]['error'] * 100:+.1f}%)  "
+                  f"[runs {', '.join(f'{x * 1e3:.1f}' for x in meas['step_runs_s'])}]", flush=True)
+        if args.diagnose:
+            trace = str(args.json.parent / f"trace_a{n_a}_e{n_e}_m{m}_b{b}.json")
+            row["trace_medians_ms"] = diagnose(n_a, n_e, m, b, args.tokens, args.prompt_len, vocab, trace,
+                                               pin=modes[0] == "pinned")
+            for w, med in row["trace_medians_ms"].items():
+                print(f"    {w}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "count"))
+        rows.append(row)
+    print()
+    print(f"decode iteration time, demo model, {args.tokens} tokens after a {args.prompt_len}-token prompt "
+          f"(mean context {seq_len:g}); {cores} cores; * = more worker processes than cores (they time-share)")
+    print(fmt_table(rows, cores, modes))
+    for mode in modes:
+        for name, sel in (("all", rows), ("fit the cores", [r for r in rows if not r["shares_cores"]]),
+                          ("share cores", [r for r in rows if r["shares_cores"]])):
+            if sel:
+                errs = [abs(r[mode]["error"]) for r in sel]
+                print(f"{mode:>8} {name:>13}: {len(sel)} deployments, mean |error| {statistics.mean(errs) * 100:.1f}%, "
+                      f"max {max(errs) * 100:.1f}%, within 15%: {sum(e <= 0.15 for e in errs)}/{len(sel)}, "
+                      f"within 5%: {sum(e <= 0.05 for e in errs)}/{len(sel)}")
+    load1 = os.getloadavg()
+    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; {time.perf_counter() - t0:.0f} s")
+    report = {"profile": str(args.profile or args.profile_out), "device": prof.device, "cores": cores,
+              "tokens": args.tokens, "prompt_len": args.prompt_len, "repeats": args.repeats, "modes": modes,
+              "rows": rows, "loadavg_before": load0, "loadavg_after": load1}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
