@@ -59,6 +59,25 @@ def wait_idle(threshold: float, max_wait_s: float) -> float:
     return idle
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_snapshot(pids: list[int]) -> tuple[float, float]:
+    """(CPU seconds the whole machine was busy, CPU seconds of these processes), from /proc."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(v[:8]) - v[3] - v[4]  # everything but idle and iowait
+    ours = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return busy / _TICK, ours / _TICK
+
+
 def pin_workers(llm, cores: list[int]) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """Pins the deployment's worker processes round-robin to ``cores`` (attention workers first),
     as ``planner.local.pinned_round_robin`` assumes."""
@@ -73,8 +92,12 @@ def pin_workers(llm, cores: list[int]) -> dict[str, int]:  # type: ignore[no-unt
 
 
 def measure(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int, repeats: int,
-            vocab: int, idle: float = 0.0, max_wait_s: float = 0.0, pin: bool = False) -> dict:
-    """Decode step of the real runtime: (T(N) - T(1)) / (N - 1), best of ``repeats`` runs each."""
+            vocab: int, idle: float = 0.0, max_wait_s: float = 0.0, pin: bool = False,
+            max_foreign: float = 0.05, attempts: int = 4) -> dict:
+    """Decode step of the real runtime: (T(N) - T(1)) / (N - 1), best of ``repeats`` runs each.
+
+    A run during which other processes used more than ``max_foreign`` of a core (the machine's busy
+    CPU time minus this deployment's, from /proc) is repeated, up to ``attempts`` times."""
     from afdserve import LLM, SamplingParams
 
     rng = random.Random(1000 * n_a + 100 * n_e + 10 * m + batch)
@@ -88,13 +111,25 @@ def measure(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))  # warm-up
 
         idles: list[float] = []
+        foreign: list[float] = []
+        pids = [os.getpid()] + [w.pid for w in llm.engine.workers.values()]
 
         def run(n: int) -> float:
-            if idle > 0:
-                idles.append(wait_idle(idle, max_wait_s))
-            t0 = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            return time.perf_counter() - t0
+            best = None
+            for _ in range(attempts):
+                if idle > 0:
+                    idles.append(wait_idle(idle, max_wait_s))
+                b0, o0 = cpu_snapshot(pids)
+                t0 = time.perf_counter()
+                llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                dt = time.perf_counter() - t0
+                b1, o1 = cpu_snapshot(pids)
+                f = max(0.0, (b1 - b0) - (o1 - o0)) / dt
+                foreign.append(f)
+                best = dt if best is None else min(best, dt)
+                if f <= max_foreign:
+                    return dt
+            return best
 
         t1, tn = [], []
         for _ in range(repeats):  # interleaved, so slow phases of a noisy machine hit both
@@ -104,6 +139,7 @@ def measure(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int
     per_run = [(b - a) / (tokens - 1) for a, b in zip(t1, tn)]
     return {"step_s": step, "step_median_s": (statistics.median(tn) - statistics.median(t1)) / (tokens - 1),
             "step_runs_s": per_run, "t1_s": t1, "tn_s": tn, "idle_before_runs": idles, "pinned": pinned,
+            "foreign_cpu": foreign,
             "wall_s": time.perf_counter() - t_start}
 
 
@@ -120,7 +156,12 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
             pin_workers(llm, sorted(os.sched_getaffinity(0)))
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         llm.engine.collect("trace")  # drop the warm-up's spans
+        pids = [os.getpid()] + [w.pid for w in llm.engine.workers.values()]
+        b0, o0 = cpu_snapshot(pids)
+        t0 = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        b1, o1 = cpu_snapshot(pids)
         per = llm.engine.collect("trace")
     from afdserve.runtime.trace import write_chrome_trace
 
@@ -142,6 +183,7 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
             spans["step_period"] = [(b["ts"] - a["ts"]) / 1e3 for a, b in zip(steps[1:], steps[2:])]
         out[worker] = {k: statistics.median(v) for k, v in spans.items()}
         out[worker]["count"] = {k: len(v) for k, v in spans.items()}
+    out["cpu"] = {"wall_s": dt, "ours_cpu_s": o1 - o0, "foreign_cpu_s": max(0.0, (b1 - b0) - (o1 - o0))}
     return out
 
 
@@ -185,6 +227,9 @@ def main() -> int:
                     help="before each timed run wait until the CPUs were this idle over a second (0: don't; "
                          "default 0.85)")
     ap.add_argument("--max-wait", type=float, default=120.0, help="longest wait for an idle machine per run (s)")
+    ap.add_argument("--max-foreign", type=float, default=0.05,
+                    help="repeat a run (up to 4 times) when other processes used more than this fraction of a "
+                         "core meanwhile (default 0.05)")
     ap.add_argument("--diagnose", action="store_true",
                     help="also one traced run per deployment: median spans per worker (in the JSON)")
     args = ap.parse_args()
@@ -226,7 +271,7 @@ def main() -> int:
         for mode in modes:
             pred = predict_local(prof, n_a, n_e, m, b, seq_len, spec, pinned=mode == "pinned")
             meas = measure(n_a, n_e, m, b, args.tokens, args.prompt_len, args.repeats, vocab, args.wait_idle,
-                           args.max_wait, pin=mode == "pinned")
+                           args.max_wait, pin=mode == "pinned", max_foreign=args.max_foreign)
             row[mode] = {"measured_ms": meas["step_s"] * 1e3, "predicted_ms": pred.iteration_s * 1e3,
                          "error": pred.iteration_s / meas["step_s"] - 1,
                          "prediction": {"method": pred.method, "ta_ms": pred.ta_s * 1e3, "te_ms": pred.te_s * 1e3,
@@ -235,7 +280,8 @@ def main() -> int:
                          "measurement": meas, "loadavg": os.getloadavg()}
             print(f"  n_a={n_a} n_e={n_e} m={m} batch={b:<3} {mode:>8}: measured {meas['step_s'] * 1e3:7.1f} ms  "
                   f"predicted {pred.iteration_s * 1e3:7.1f} ms ({row[mode]['error'] * 100:+.1f}%)  "
-                  f"[runs {', '.join(f'{x * 1e3:.1f}' for x in meas['step_runs_s'])}]", flush=True)
+                  f"[runs {', '.join(f'{x * 1e3:.1f}' for x in meas['step_runs_s'])}; other processes "
+                  f"{max(meas['foreign_cpu']):.0%} of a core at most]", flush=True)
         if args.diagnose:
             trace = str(args.json.parent / f"trace_a{n_a}_e{n_e}_m{m}_b{b}.json")
             row["trace_medians_ms"] = diagnose(n_a, n_e, m, b, args.tokens, args.prompt_len, vocab, trace,

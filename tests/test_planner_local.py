@@ -90,3 +90,65 @@ def test_errors() -> None:
         predict_iteration_time(_profile(attention=()), 1, 1, 1, 1, 1, DEMO)
     with pytest.raises(ValueError):
         predict_iteration_time(_profile(), 0, 1, 1, 1, 1, DEMO)
+
+
+# ----- the simulated runtime (profiles measured by afdserve profile carry runtime costs) ----------
+from afdserve.planner.local import RuntimeSim, micro_batch_sizes, simulate_runtime  # noqa: E402
+from afdserve.planner.profile import RuntimeCosts  # noqa: E402
+
+
+def _sim(**kw) -> RuntimeSim:  # type: ignore[no-untyped-def]
+    base = dict(n_a=1, n_e=1, num_layers=4, micro_batches=(8,), ta=(1e-3,), te_per_pair=0.0, te_fixed=2e-3,
+                pairs=(16,), tokens=(8,), fwd_bytes=(1e4,), back_bytes=(1e4,), step_overhead=5e-3,
+                costs=RuntimeCosts())
+    base.update(kw)
+    return RuntimeSim(**base)
+
+
+def test_runtime_sim_serial_and_pipelined() -> None:
+    # m = 1: attention and experts alternate: L * (Ta + Te) + overhead
+    assert simulate_runtime(_sim()).step_s == pytest.approx(4 * 3e-3 + 5e-3)
+    # m = 2, expert-bound: the expert worker runs back to back; the first Ta and the last combine stick out
+    r = simulate_runtime(_sim(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4),
+                              fwd_bytes=(1, 1), back_bytes=(1, 1)))
+    assert r.step_s == pytest.approx(1e-3 + 4 * 2 * 2e-3 + 5e-3)
+    assert r.busy[1] == pytest.approx(16e-3 / r.step_s, rel=1e-3)
+
+
+def test_runtime_sim_costs_and_merging() -> None:
+    costs = RuntimeCosts(send_s=10e-6, send_per_byte_s=1e-9, take_s=20e-6)
+    r0 = simulate_runtime(_sim())
+    r1 = simulate_runtime(_sim(costs=costs))
+    # per layer: a dispatch (send + take) and a reply (send + take)
+    assert r1.step_s - r0.step_s == pytest.approx(4 * 2 * (10e-6 + 1e4 * 1e-9 + 20e-6))
+    # two attention workers in lockstep, one expert worker: same-layer messages are merged (k4 once)
+    lockstep = simulate_runtime(_sim(n_a=2, te_per_pair=1e-5, stagger=0.0))
+    assert lockstep.step_s == pytest.approx(4 * (1e-3 + 2e-3 + 1e-5 * 32) + 5e-3)
+    # workers that start apart stay apart: the expert worker serves them one at a time
+    apart = simulate_runtime(_sim(n_a=2, te_per_pair=1e-5))
+    assert apart.step_s > lockstep.step_s * 1.1
+    assert apart.busy[2] > lockstep.busy[2]
+    # wake-up latency when a waiter slept (waited longer than spin_s)
+    woke = simulate_runtime(_sim(costs=RuntimeCosts(wake_s=100e-6, spin_s=50e-6)))
+    assert woke.step_s == pytest.approx(r0.step_s + 4 * 2 * 100e-6)
+
+
+def test_runtime_sim_shares_cores() -> None:
+    # one core: the two processes' work adds up (there is always one of them runnable)
+    pipelined = dict(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4), fwd_bytes=(1, 1),
+                     back_bytes=(1, 1))
+    one = simulate_runtime(_sim(costs=RuntimeCosts(cores=1), **pipelined))
+    assert one.step_s == pytest.approx(4 * 2 * (1e-3 + 2e-3) + 5e-3)
+    assert simulate_runtime(_sim(costs=RuntimeCosts(cores=2), **pipelined)).step_s < one.step_s
+
+
+def test_predict_local_runtime_method() -> None:
+    prof = _profile(runtime=RuntimeCosts(cores=2, send_s=1e-5, take_s=2e-5), step_fixed_s=1e-3)
+    p = predict_local(prof, 2, 2, 3, 10, 200, DEMO)
+    assert p.method == "runtime" and p.micro_batch_sizes == micro_batch_sizes(10, 3) == (3, 4, 3)
+    assert len(p.busy) == 4 and p.iteration_s > p.pipeline_s
+    assert predict_local(prof, 2, 2, 3, 10, 200, DEMO, method="analytic").method == "analytic"
+    with pytest.raises(ValueError, match="runtime"):
+        predict_local(_profile(), 1, 1, 1, 4, 10, DEMO, method="runtime")
+    with pytest.raises(ValueError, match="method"):
+        predict_local(prof, 1, 1, 1, 4, 10, DEMO, method="magic")

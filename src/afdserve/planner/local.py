@@ -123,7 +123,7 @@ class _Msg:
 class _Proc:
     name: str
     gen: Generator
-    state: str = "ready"  # ready | cpu | wait | wake | done
+    state: str = "ready"  # ready | cpu | wait | wake | sleep | done
     remaining: float = 0.0
     busy: float = 0.0
     wait_chans: tuple = ()
@@ -155,6 +155,9 @@ class RuntimeSim:
     # core of each process (attention workers first, then expert workers), when pinned; None: the
     # processes share costs.cores cores as the OS balances them (processor sharing)
     affinity: tuple[int, ...] | None = None
+    # attention worker i starts i * stagger late (None: one attention burst, ta[0]); the expert
+    # workers then merge two workers' tokens only when they happen to arrive together
+    stagger: float | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
         me = i
         experts = [n_a + j for j in range(n_e)]
         extra = (n_e - 1) * c.dispatch_per_worker_s
+        if i > 0:  # workers never start in lockstep (requests arrive one after the other)
+            yield ("sleep", i * (cfg.ta[0] if cfg.stagger is None else cfg.stagger), None)
         for _step in range(cfg.steps):
             for layer in range(L + 1):
                 for k, b_k in enumerate(cfg.micro_batches):
@@ -277,6 +282,9 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
                 return
             elif kind == "step":
                 p.step_ends.append(now)
+            elif kind == "sleep":
+                p.state, p.wake_at = "sleep", now + cmd[1]
+                return
 
     def deliver(key: tuple[int, int], msg: _Msg) -> None:
         chan(*key).append(msg)
@@ -294,7 +302,7 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
         if guard > 10_000_000:  # pragma: no cover - a modelling bug, not an input error
             raise RuntimeError("runtime simulation did not finish")
         running = [p for p in procs if p.state == "cpu"]
-        waking = [p for p in procs if p.state == "wake"]
+        waking = [p for p in procs if p.state in ("wake", "sleep")]
         rates = _rates(running, procs, cfg.affinity, c.cores)
         t_cpu = min((p.remaining / rates[id(p)] for p in running), default=math.inf)
         t_wake = min((p.wake_at for p in waking), default=math.inf) - now
@@ -314,6 +322,9 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
                     deliver(key, msg)
                 p.state = "ready"
         for p in procs:
+            if p.state == "sleep" and p.wake_at <= now + 1e-15:
+                p.state = "ready"
+                advance(p, None)
             if p.state == "wake" and p.wake_at <= now + 1e-15:
                 got = available(p)
                 if got is None:  # pragma: no cover - only its own deliveries wake a process
