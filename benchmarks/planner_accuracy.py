@@ -13,6 +13,12 @@ and predicts it with ``planner.predict_local`` (the simulated runtime, and the p
 pipeline model for reference) at the mean context length of those decode steps.  Prints the error
 table and writes JSON.
 
+This machine's speed drifts by up to ~30 % within a minute (other tenants of the host; invisible from
+inside), so by default the prediction for a deployment is the mean of the predictions with two
+quick profiles taken right before and right after its measurement (``afdserve profile --quick``,
+~15 s each); the prediction with the single full profile taken at the start is shown as well.
+Runs during which other processes on this machine used the CPUs are repeated.
+
 Deployments with more worker processes than cores time-share the cores; the runtime model simulates
 that (processor sharing over the profile's core count).  The table marks them.
 
@@ -187,10 +193,13 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
     return out
 
 
-def fmt_table(rows: list[dict], cores: int, modes: list[str]) -> str:
+def fmt_table(rows: list[dict], cores: int, modes: list[str], bracket: bool) -> str:
     head = ["n_a", "n_e", "m", "batch/attn", "batch", "procs"]
     for mode in modes:
-        head += [f"{mode} ms", "predicted", "error"]
+        head += [f"{mode} ms"]
+        if bracket:
+            head += ["predicted", "error"]
+        head += ["1 profile", "error"]
     head += ["analytic", "error"]
     lines = []
     for r in rows:
@@ -198,9 +207,12 @@ def fmt_table(rows: list[dict], cores: int, modes: list[str]) -> str:
                 str(r["global_batch"]), f"{r['processes']}{'*' if r['processes'] > cores else ''}"]
         for mode in modes:
             x = r[mode]
-            line += [f"{x['measured_ms']:.1f}", f"{x['predicted_ms']:.1f}", f"{x['error'] * 100:+.1f}%"]
-        ref = r[modes[0]]
-        line += [f"{r['analytic_ms']:.1f}", f"{(r['analytic_ms'] / ref['measured_ms'] - 1) * 100:+.1f}%"]
+            line += [f"{x['measured_ms']:.1f}"]
+            if bracket:
+                line += [f"{x['predicted_ms']:.1f}", f"{x['error'] * 100:+.1f}%"]
+            line += [f"{x['one_profile_ms']:.1f}", f"{x['one_profile_error'] * 100:+.1f}%"]
+        ref = r[modes[0]]["measured_ms"]
+        line += [f"{r['analytic_ms']:.1f}", f"{(r['analytic_ms'] / ref - 1) * 100:+.1f}%"]
         lines.append(line)
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
     out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
@@ -210,15 +222,17 @@ def fmt_table(rows: list[dict], cores: int, modes: list[str]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", type=Path, help="use this profile instead of measuring a fresh one")
+    ap.add_argument("--profile", type=Path, help="use this profile (only) instead of measuring fresh ones")
     ap.add_argument("--profile-out", type=Path, default=Path("out/profile.json"),
-                    help="where to save the fresh profile (default out/profile.json)")
-    ap.add_argument("--quick-profile", action="store_true", help="profile with the quick grid")
+                    help="where to save the fresh full profile (default out/profile.json)")
+    ap.add_argument("--quick-profile", action="store_true", help="the first profile with the quick grid too")
+    ap.add_argument("--no-bracket", action="store_true",
+                    help="do not re-profile (quick grid) between deployments; predict with the first profile only")
     ap.add_argument("--deployments", type=parse_deployments, default=parse_deployments(DEFAULT_DEPLOYMENTS),
                     help=f"n_a,n_e,m,batch per attention worker; ';'-separated (default {DEFAULT_DEPLOYMENTS})")
-    ap.add_argument("--modes", default="pinned,unpinned",
-                    help="pinned: workers pinned round-robin to the cores (attention first); unpinned: the OS "
-                         "places them (default: both)")
+    ap.add_argument("--modes", default="unpinned",
+                    help="unpinned: the OS places the workers (the runtime as it is); pinned: workers pinned "
+                         "round-robin to the cores, attention workers first (comma-separated; default unpinned)")
     ap.add_argument("--tokens", type=int, default=24, help="N: tokens generated per sequence (default 24)")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="runs of T(1) and T(N) per deployment (best of)")
@@ -247,11 +261,14 @@ def main() -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     load0 = os.getloadavg()
+    bracket = not (args.profile or args.no_bracket)
     if args.profile:
         prof = load_profile(args.profile)
         print(f"profile {args.profile}")
     else:
         print("profiling this machine (afdserve profile) ...", flush=True)
+        if args.wait_idle > 0:
+            wait_idle(args.wait_idle, args.max_wait)
         prof = run_profile(None, QUICK_GRID if args.quick_profile else DEFAULT_GRID)
         args.profile_out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(prof, args.profile_out)
@@ -262,26 +279,42 @@ def main() -> int:
     cores = prof.runtime.cores if prof.runtime is not None else cpu_cores()
     # mean context over the decode steps 2..N: the step producing token k attends prompt_len + k tokens
     seq_len = args.prompt_len + (args.tokens + 2) / 2
+
+    def calibrate() -> "object":
+        if args.wait_idle > 0:
+            wait_idle(args.wait_idle, args.max_wait)
+        return run_profile(None, QUICK_GRID)
+
     rows = []
+    before = calibrate() if bracket else prof
     for n_a, n_e, m, b in args.deployments:
         ana = predict_local(prof, n_a, n_e, m, b, seq_len, spec, method="analytic")
         row: dict = {"n_a": n_a, "n_e": n_e, "m": m, "batch_per_attention_worker": b, "global_batch": n_a * b,
                      "processes": n_a + n_e, "shares_cores": n_a + n_e > cores, "seq_len": seq_len,
                      "analytic_ms": ana.iteration_s * 1e3}
+        meas = {mode: measure(n_a, n_e, m, b, args.tokens, args.prompt_len, args.repeats, vocab, args.wait_idle,
+                              args.max_wait, pin=mode == "pinned", max_foreign=args.max_foreign) for mode in modes}
+        after = calibrate() if bracket else prof
         for mode in modes:
-            pred = predict_local(prof, n_a, n_e, m, b, seq_len, spec, pinned=mode == "pinned")
-            meas = measure(n_a, n_e, m, b, args.tokens, args.prompt_len, args.repeats, vocab, args.wait_idle,
-                           args.max_wait, pin=mode == "pinned", max_foreign=args.max_foreign)
-            row[mode] = {"measured_ms": meas["step_s"] * 1e3, "predicted_ms": pred.iteration_s * 1e3,
-                         "error": pred.iteration_s / meas["step_s"] - 1,
-                         "prediction": {"method": pred.method, "ta_ms": pred.ta_s * 1e3, "te_ms": pred.te_s * 1e3,
-                                        "outside_layers_ms": (pred.iteration_s - pred.pipeline_s) * 1e3,
-                                        "micro_batches": list(pred.micro_batch_sizes), "busy": list(pred.busy)},
-                         "measurement": meas, "loadavg": os.getloadavg()}
-            print(f"  n_a={n_a} n_e={n_e} m={m} batch={b:<3} {mode:>8}: measured {meas['step_s'] * 1e3:7.1f} ms  "
-                  f"predicted {pred.iteration_s * 1e3:7.1f} ms ({row[mode]['error'] * 100:+.1f}%)  "
-                  f"[runs {', '.join(f'{x * 1e3:.1f}' for x in meas['step_runs_s'])}; other processes "
-                  f"{max(meas['foreign_cpu']):.0%} of a core at most]", flush=True)
+            pinned = mode == "pinned"
+            one = predict_local(prof, n_a, n_e, m, b, seq_len, spec, pinned=pinned)
+            around = [predict_local(p, n_a, n_e, m, b, seq_len, spec, pinned=pinned) for p in (before, after)]
+            pred_s = statistics.mean(p.iteration_s for p in around)
+            step = meas[mode]["step_s"]
+            row[mode] = {"measured_ms": step * 1e3, "predicted_ms": pred_s * 1e3, "error": pred_s / step - 1,
+                         "predicted_before_after_ms": [p.iteration_s * 1e3 for p in around],
+                         "one_profile_ms": one.iteration_s * 1e3, "one_profile_error": one.iteration_s / step - 1,
+                         "prediction": {"method": one.method, "ta_ms": one.ta_s * 1e3, "te_ms": one.te_s * 1e3,
+                                        "outside_layers_ms": (one.iteration_s - one.pipeline_s) * 1e3,
+                                        "micro_batches": list(one.micro_batch_sizes), "busy": list(one.busy)},
+                         "measurement": meas[mode], "loadavg": os.getloadavg()}
+            x = row[mode]
+            print(f"  n_a={n_a} n_e={n_e} m={m} batch={b:<3} {mode:>8}: measured {x['measured_ms']:7.1f} ms  "
+                  + (f"predicted {x['predicted_ms']:7.1f} ms ({x['error'] * 100:+.1f}%)  " if bracket else "")
+                  + f"one profile {x['one_profile_ms']:7.1f} ms ({x['one_profile_error'] * 100:+.1f}%)  "
+                  f"[runs {', '.join(f'{v * 1e3:.1f}' for v in meas[mode]['step_runs_s'])}; other processes "
+                  f"<= {max(meas[mode]['foreign_cpu']):.0%} of a core]", flush=True)
+        before = after
         if args.diagnose:
             trace = str(args.json.parent / f"trace_a{n_a}_e{n_e}_m{m}_b{b}.json")
             row["trace_medians_ms"] = diagnose(n_a, n_e, m, b, args.tokens, args.prompt_len, vocab, trace,
@@ -292,20 +325,24 @@ def main() -> int:
     print()
     print(f"decode iteration time, demo model, {args.tokens} tokens after a {args.prompt_len}-token prompt "
           f"(mean context {seq_len:g}); {cores} cores; * = more worker processes than cores (they time-share)")
-    print(fmt_table(rows, cores, modes))
+    if bracket:
+        print("predicted: mean of the predictions with quick profiles taken right before and right after the "
+              "deployment's measurement; 1 profile: with the full profile taken at the start")
+    print(fmt_table(rows, cores, modes, bracket))
     for mode in modes:
-        for name, sel in (("all", rows), ("fit the cores", [r for r in rows if not r["shares_cores"]]),
-                          ("share cores", [r for r in rows if r["shares_cores"]])):
-            if sel:
-                errs = [abs(r[mode]["error"]) for r in sel]
-                print(f"{mode:>8} {name:>13}: {len(sel)} deployments, mean |error| {statistics.mean(errs) * 100:.1f}%, "
-                      f"max {max(errs) * 100:.1f}%, within 15%: {sum(e <= 0.15 for e in errs)}/{len(sel)}, "
-                      f"within 5%: {sum(e <= 0.05 for e in errs)}/{len(sel)}")
+        for key, label in ((("error", "predicted"),) if bracket else ()) + (("one_profile_error", "1 profile"),):
+            for name, sel in (("all", rows), ("fit the cores", [r for r in rows if not r["shares_cores"]]),
+                              ("share cores", [r for r in rows if r["shares_cores"]])):
+                if sel:
+                    errs = [abs(r[mode][key]) for r in sel]
+                    print(f"{mode:>8} {label:>9} {name:>13}: {len(sel)} deployments, mean |error| "
+                          f"{statistics.mean(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, within 15%: "
+                          f"{sum(e <= 0.15 for e in errs)}/{len(sel)}, within 5%: {sum(e <= 0.05 for e in errs)}/{len(sel)}")
     load1 = os.getloadavg()
     print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; {time.perf_counter() - t0:.0f} s")
     report = {"profile": str(args.profile or args.profile_out), "device": prof.device, "cores": cores,
               "tokens": args.tokens, "prompt_len": args.prompt_len, "repeats": args.repeats, "modes": modes,
-              "rows": rows, "loadavg_before": load0, "loadavg_after": load1}
+              "bracket": bracket, "rows": rows, "loadavg_before": load0, "loadavg_after": load1}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")

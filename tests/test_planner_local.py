@@ -152,3 +152,31 @@ def test_predict_local_runtime_method() -> None:
         predict_local(_profile(), 1, 1, 1, 4, 10, DEMO, method="runtime")
     with pytest.raises(ValueError, match="method"):
         predict_local(prof, 1, 1, 1, 4, 10, DEMO, method="magic")
+
+
+def test_runtime_sim_pinning_and_corun() -> None:
+    pipelined = dict(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4), fwd_bytes=(1, 1),
+                     back_bytes=(1, 1))
+    # pinned to one core == one core
+    same = simulate_runtime(_sim(costs=RuntimeCosts(cores=2), affinity=(0, 0), **pipelined))
+    one = simulate_runtime(_sim(costs=RuntimeCosts(cores=1), **pipelined))
+    assert same.step_s == pytest.approx(one.step_s)
+    apart = simulate_runtime(_sim(costs=RuntimeCosts(cores=2), affinity=(0, 1), **pipelined))
+    assert apart.step_s < same.step_s
+    # computing at the same time on two cores slows both; never at the same time (m = 1): no effect
+    slow = RuntimeCosts(cores=2, corun_attention=1.5, corun_expert=1.5)
+    assert simulate_runtime(_sim(costs=slow, affinity=(0, 1), **pipelined)).step_s > apart.step_s
+    assert simulate_runtime(_sim(costs=slow)).step_s == pytest.approx(simulate_runtime(_sim()).step_s)
+
+
+def test_lm_head_interpolation_and_roundtrip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from afdserve.planner.profile import load_profile, save_profile
+
+    rt = RuntimeCosts(cores=2, lm_head_s=1e-3, lm_head_per_token_s=1e-4,
+                      lm_head_points=((1, 2e-3), (16, 5e-3), (64, 9e-3)), corun_attention=1.1)
+    assert rt.lm_head_time(16) == pytest.approx(5e-3) and rt.lm_head_time(40) == pytest.approx(7e-3)
+    assert rt.lm_head_time(128) == pytest.approx(1e-3 + 128e-4)  # outside the points: the fit
+    prof = _profile(runtime=rt)
+    save_profile(prof, tmp_path / "p.json")
+    back = load_profile(tmp_path / "p.json")
+    assert back.runtime == rt

@@ -17,7 +17,7 @@ from tiny_models import make_checkpoint
 
 TINY_GRID = ProfileGrid(batches=(1, 4), seq_lens=(8, 48), pairs_per_expert=(1, 4), experts_per_node=(3, 6),
                         msg_tokens=(1, 16), step_batches=(1, 4), dispatch_workers=(1, 2), repeats=2,
-                        passes=1, transport_repeats=3)
+                        passes=1, transport_repeats=3, corun=False)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,7 @@ def test_profile_of_tiny_model(tiny: Path, tmp_path: Path) -> None:
     assert rt is not None and rt.cores >= 1 and rt.send_s + rt.send_per_byte_s > 0 and rt.take_s > 0
     s = prof.samples or {}
     assert len(s["attention_workers"]) == 2 * 2 + 2 and len(s["expert"]) == 4 and len(s["step"]) == 2
+    assert len(s["lm_head"]) == 2 and len(rt.lm_head_points) == 2 and rt.lm_head_time(4) > 0
     assert {"transport_oneway", "transport_send", "transport_take", "transport_wake"} <= set(s)
     # usable by the local model, with both methods
     spec = load_model_spec(str(tiny))
@@ -55,7 +56,7 @@ def test_cli_writes_profile(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFi
     out = tmp_path / "sub" / "profile.json"
     rc = main(["profile", "--out", str(out), "--model", str(tiny), "--warm", "--quiet", "--batches", "1,2",
                "--seq-lens", "4,16", "--pairs-per-expert", "1,2", "--experts-per-node", "6", "--msg-tokens", "1,4",
-               "--step-batches", "1,2", "--repeats", "1"])
+               "--step-batches", "1,2", "--repeats", "1", "--passes", "1", "--no-corun"])
     assert rc == 0
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "step overhead" in text
@@ -63,6 +64,8 @@ def test_cli_writes_profile(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert data["format"] == "afdserve-planner-profile" and data["runtime"]["cores"] >= 1
     back = load_profile(out)
     assert back.runtime is not None and back.expert[0].experts_per_node == 6
+    assert back.runtime.corun_attention == back.runtime.corun_expert == 1.0
+    assert len(back.runtime.lm_head_points) == 2 and "least of 1 passes" in back.notes
 
 
 def test_attention_rows_and_cache_eviction(tiny: Path) -> None:
@@ -74,3 +77,10 @@ def test_attention_rows_and_cache_eviction(tiny: Path) -> None:
     big = CacheFlusher(enabled=True, factor=0.01)
     big()
     assert big._buf.numel() > 1
+
+
+def test_corun_factors(tiny: Path) -> None:
+    from afdserve.planner.profiler import measure_corun
+
+    fa, fe = measure_corun(tiny, 2, CacheFlusher(enabled=False))
+    assert fa >= 1.0 and fe >= 1.0

@@ -12,9 +12,10 @@ as ``m`` micro-batches; ``n_e`` expert worker processes hold ``E / n_e`` experts
   (``step.fixed_s + step.per_token_s * b``); each expert worker loops ``gather`` (the next message of
   every attention worker that has one), runs the experts once per layer present over the merged
   tokens (``Te = k3*b_e + k4``) and sends each sender its partial sums.  Sends and takes cost the
-  measured CPU time, a receiver asleep in ``poll`` wakes up after ``wake_s``, and when more workers
-  are runnable than the profile's ``cores`` they share the cores equally (processor sharing): CPU
-  time-sharing is modelled, not fudged.
+  measured CPU time, a receiver asleep in ``poll`` wakes up after ``wake_s``, when more workers
+  are runnable than the profile's ``cores`` they share the cores equally (processor sharing), and
+  while two cores compute at once each worker runs the measured ``corun_*`` factor slower (shared
+  cache and memory bandwidth): CPU time-sharing is modelled from measurements, not fudged.
 * ``"analytic"``: the paper's pipeline model -- compute from k1..k4 (TP = 1), communication from the
   measured transport (``latency + bytes / bandwidth`` per message, serialised per endpoint -- Eq. (6)
   with the measured Util curve) as a pure delay, and
@@ -167,17 +168,28 @@ class RuntimeSimResult:
     makespan: float
 
 
-def _rates(running: list[_Proc], procs: list[_Proc], affinity: tuple[int, ...] | None,
-           cores: int) -> dict[int, float]:
-    """Processor sharing: the runnable processes of a core (pinned) or of the machine share it."""
-    if affinity is None:
-        r = 1.0 if cores <= 0 or not running else min(1.0, cores / len(running))
-        return {id(p): r for p in running}
+def _rates(running: list[_Proc], procs: list[_Proc], affinity: tuple[int, ...] | None, costs: RuntimeCosts,
+           n_a: int) -> dict[int, float]:
+    """Processor sharing: the runnable processes of a core (pinned) or of the machine share it;
+    while more than one core computes, each process runs ``corun_*`` times slower."""
+    if not running:
+        return {}
+    cores = costs.cores
     index = {id(p): i for i, p in enumerate(procs)}
-    per_core: dict[int, int] = {}
-    for p in running:
-        per_core[affinity[index[id(p)]]] = per_core.get(affinity[index[id(p)]], 0) + 1
-    return {id(p): 1.0 / per_core[affinity[index[id(p)]]] for p in running}
+    if affinity is None:
+        share = 1.0 if cores <= 0 else min(1.0, cores / len(running))
+        rates = {id(p): share for p in running}
+        busy_cores = len(running) if cores <= 0 else min(cores, len(running))
+    else:
+        per_core: dict[int, int] = {}
+        for p in running:
+            per_core[affinity[index[id(p)]]] = per_core.get(affinity[index[id(p)]], 0) + 1
+        rates = {id(p): 1.0 / per_core[affinity[index[id(p)]]] for p in running}
+        busy_cores = len(per_core)
+    if busy_cores > 1:
+        for p in running:
+            rates[id(p)] /= costs.corun_attention if index[id(p)] < n_a else costs.corun_expert
+    return rates
 
 
 def pinned_round_robin(n_a: int, n_e: int, cores: int) -> tuple[int, ...]:
@@ -303,7 +315,7 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
             raise RuntimeError("runtime simulation did not finish")
         running = [p for p in procs if p.state == "cpu"]
         waking = [p for p in procs if p.state in ("wake", "sleep")]
-        rates = _rates(running, procs, cfg.affinity, c.cores)
+        rates = _rates(running, procs, cfg.affinity, c, n_a)
         t_cpu = min((p.remaining / rates[id(p)] for p in running), default=math.inf)
         t_wake = min((p.wake_at for p in waking), default=math.inf) - now
         dt = max(0.0, min(t_cpu, t_wake))

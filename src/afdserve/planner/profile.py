@@ -204,6 +204,9 @@ class RuntimeCosts:
       the runtime runs per micro-batch as soon as its last layer is combined (the profile's ``step``
       overhead then excludes it); interpolated between ``lm_head_points`` (measured ``(b, s)``)
       where given, the affine fit outside them;
+    * ``corun_attention`` / ``corun_expert``: how much longer an attention / expert worker's work
+      takes while a worker of the other role computes on another core (they share the last-level
+      cache and the memory bandwidth), measured;
     * ``cores``: CPU cores the worker processes share; with more runnable workers than cores they
       time-share them (0: every worker has its own core or device).
     """
@@ -219,6 +222,8 @@ class RuntimeCosts:
     lm_head_s: float = 0.0
     lm_head_per_token_s: float = 0.0
     lm_head_points: tuple[tuple[float, float], ...] = ()  # measured (b, seconds): interpolated
+    corun_attention: float = 1.0
+    corun_expert: float = 1.0
 
     def lm_head_time(self, b: float) -> float:
         if len(self.lm_head_points) >= 2:  # piecewise linear between the measured points

@@ -2,24 +2,32 @@
 
 Everything is timed with the code the runtime runs, one thread per process as the workers use:
 
-* **attention** (``k1_tok``, ``k1_ctx``, ``k2``): ``AttentionModel.pre_moe`` + ``post_moe`` of one
-  decode micro-batch of ``b_a`` sequences with ``s`` tokens of context in a paged ``KVCache``
-  (``AttnMetadata.build``, as the scheduler builds it), per layer;
-* **experts** (``k3``, ``k4``) for every number of experts a worker can hold (divisors of ``E``):
-  ``ExpertCompute.run`` over ``b_e`` token-expert pairs spread over all the worker's experts;
-* **transport** (``latency``, ``bandwidth`` => ``Util``): the real M2N library between two
-  processes (``afdserve.comm.Communicator`` wrapped in the runtime's ``Links``): one-way time of
-  a ping-pong, the sender's CPU time per ``send``, the receiver's per ``gather``/``recv``;
-* **runtime costs**: the attention worker's routing / dispatch / combine bookkeeping per
-  micro-batch and layer (the real ``PipelinedRunner`` over a loop-back link), and the per-step
-  overhead outside the layers (scheduling, embedding, LM head, sampling, detokenizing, shipping the
-  outputs) of the real ``Engine``.
+* **attention worker** (``k1_tok``, ``k1_ctx``, ``k2``): one decode micro-batch of ``b_a``
+  sequences with ``s`` tokens of context through one layer, in the order the attention worker's
+  ``PipelinedRunner`` runs it: ``_combine`` of the previous layer (merge + ``post_moe``),
+  ``AttentionModel.pre_moe`` over a paged ``KVCache`` (``AttnMetadata.build`` as the scheduler
+  builds it; router included) and ``_dispatch`` (sends go to a loop-back link);
+* **expert worker** (``k3``, ``k4``) for every number of experts a worker can hold (divisors of
+  ``E``): ``ExpertCompute.run`` over ``b_e`` token-expert pairs spread over the worker's experts;
+* **M2N transport** (``latency``, ``bandwidth`` => ``Util``; send / take CPU costs, wake-up
+  latency): ``afdserve.comm.Communicator`` in the runtime's ``Links`` between this process and a
+  second one, pinned to different cores;
+* **per-step overhead** outside the layers (scheduling, embedding, sampling, detokenizing, shipping
+  the outputs) and the **LM head** of a micro-batch: the real ``Engine`` driving the attention
+  worker's ``PipelinedRunner``;
+* **co-running**: how much an attention worker's and an expert worker's work slow down while the
+  other role computes on another core (shared last-level cache and memory bandwidth).
 
-**Caches.** In a deployment the attention worker and the expert workers share the last-level cache
-(LLC) and each streams far more than it holds between two calls of the same layer (an expert worker
-reads every layer's weights once per step, the attention worker its LM head), so a layer never finds
-its weights cached.  Every timed call is therefore preceded by writing a buffer of twice the LLC's
-size (``--warm`` disables this; it makes CPU timings up to 2x optimistic).
+**Caches.** In a deployment the worker processes share the last-level cache (LLC) and each streams
+far more than it holds between two calls of the same layer (an expert worker reads every layer's
+weights once per step, the attention worker its LM head), so a layer never finds its weights
+cached.  Every timed call is therefore preceded by writing a buffer of twice the LLC's size
+(``--warm`` disables this; it makes CPU timings up to 2x optimistic).
+
+**Noise.** Compute is timed in the measuring thread's CPU time (not inflated when other processes
+take turns on its core), median of ``repeats`` calls; the grid is measured ``passes`` times and
+every point keeps its least median (other processes' memory traffic only ever adds time).  Round
+trips are wall time: profile an idle machine.
 
 The fitted constants are saved with :func:`afdserve.planner.profile.save_profile` and read by
 ``afdserve plan --profile`` and :func:`afdserve.planner.local.predict_iteration_time`.
@@ -28,8 +36,6 @@ The fitted constants are saved with :func:`afdserve.planner.profile.save_profile
 from __future__ import annotations
 
 import argparse
-import math
-import multiprocessing as mp
 import os
 import platform
 import secrets
@@ -71,6 +77,7 @@ __all__ = [
     "summary",
     "measure_transport",
     "measure_step",
+    "measure_corun",
     "run_profile",
     "add_parser",
     "main",
@@ -94,6 +101,7 @@ class ProfileGrid:
     repeats: int = 9  # timed calls per point and pass (median)
     passes: int = 3  # passes over the grid; a point's time is the least of its passes' medians
     transport_repeats: int = 100
+    corun: bool = True  # measure how much two workers computing at once slow each other
 
 
 DEFAULT_GRID = ProfileGrid()
@@ -709,6 +717,132 @@ def measure_step(
 
 
 # --------------------------------------------------------------------------------------------
+# two workers computing at once: what they cost each other (shared LLC / memory bandwidth)
+# --------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def _hog(argv: Sequence[str]) -> None:
+    """``python -m afdserve.planner.profiler --hog ROLE MODEL DTYPE SECONDS``: one worker role's
+    work in a loop (as a partner process for :func:`measure_corun`)."""
+    role, model_path, dtype, seconds = argv[0], Path(argv[1]), argv[2], float(argv[3])
+    torch.set_num_threads(1)
+    cfg, reader, dt = _load(model_path, dtype)
+    end = time.monotonic() + seconds
+    if role == "expert":  # an expert worker holding every expert, rounds of 8 pairs per expert
+        from afdserve.model.model import ExpertModel
+
+        compute = _expert_compute(ExpertModel.load(model_path, None, dt, cfg, reader), cfg.num_layers,
+                                  cfg.num_experts, cfg.num_experts)
+        k = cfg.top_k
+        tokens = 8 * cfg.num_experts // k
+        ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)],
+                           dtype=torch.int32)
+        y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
+        layer = 0
+        print("ready", flush=True)
+        while time.monotonic() < end:
+            compute.run(layer % cfg.num_layers, [[y, ids, w]])
+            layer += 1
+    else:  # an attention worker: a micro-batch of 16 through every layer, then its LM head
+        from afdserve.kvcache.cache import KVCache
+        from afdserve.model.model import AttentionModel
+
+        model = AttentionModel.load(model_path, dt, cfg, reader)
+        meta, blocks = _decode_meta(16, 64, 16)
+        kv = KVCache(cfg, blocks, 16, dt)
+        x = torch.randn(16, cfg.hidden_size).to(dt)
+        cos_sin = model.rotary.cos_sin(meta.positions, dt)
+        print("ready", flush=True)
+        while time.monotonic() < end:
+            for lyr in range(cfg.num_layers):
+                h, y, _ids, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+                model.post_moe(lyr, h, y, torch.zeros_like(y))
+            model.logits(x)
+
+
+def measure_corun(
+    model_path: Path,
+    repeats: int,
+    flush: CacheFlusher,
+    dtype: str = "float32",
+    log: Callable[[str], None] = lambda s: None,
+) -> tuple[float, float]:
+    """``(attention factor, expert factor)``: how much longer (CPU time) an attention worker's work
+    (a micro-batch of 16 through a layer, and the LM head) and an expert worker's round take while the
+    other role computes on another core, than alone.  (1.0, 1.0) with fewer than two cores."""
+    import subprocess
+
+    from afdserve.kvcache.cache import KVCache
+    from afdserve.model.model import AttentionModel, ExpertModel
+
+    if cpu_cores() < 2 or not hasattr(os, "sched_setaffinity"):
+        return 1.0, 1.0
+    cfg, reader, dt = _load(model_path, dtype)
+    model = AttentionModel.load(model_path, dt, cfg, reader)
+    meta, blocks = _decode_meta(16, 64, 16)
+    kv = KVCache(cfg, blocks, 16, dt)
+    x = torch.randn(16, cfg.hidden_size).to(dt)
+    cos_sin = model.rotary.cos_sin(meta.positions, dt)
+    compute = _expert_compute(ExpertModel.load(model_path, None, dt, cfg, reader), cfg.num_layers,
+                              cfg.num_experts, cfg.num_experts)
+    k = cfg.top_k
+    tokens = 4 * cfg.num_experts // k
+    ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)], dtype=torch.int32)
+    y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
+    n = [0]
+
+    def attention() -> None:
+        lyr = n[0] % cfg.num_layers
+        n[0] += 1
+        h, yy, _i, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+        model.post_moe(lyr, h, yy, torch.zeros_like(yy))
+
+    def lm_head() -> None:
+        model.logits(x)
+
+    def expert() -> None:
+        lyr = n[0] % cfg.num_layers
+        n[0] += 1
+        compute.run(lyr, [[y, ids, w]])
+
+    mask = os.sched_getaffinity(0)
+    a, b = sorted(mask)[:2]
+    os.sched_setaffinity(0, {a})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ratios: dict[str, list[float]] = {"attention": [], "expert": []}
+    try:
+        for partner, mine in (("expert", (attention, lm_head)), ("attention", (expert,))):
+            alone = [_median_time(fn, repeats, flush) for fn in mine]
+            proc = subprocess.Popen([sys.executable, "-m", "afdserve.planner.profiler", "--hog", partner,
+                                     str(model_path), dtype, "300"], env=env, stdout=subprocess.PIPE, text=True)
+            try:
+                os.sched_setaffinity(proc.pid, {b})
+                assert proc.stdout is not None
+                import select
+
+                ready, _, _ = select.select([proc.stdout], [], [], 120)
+                if not ready or proc.stdout.readline().strip() != "ready":  # it loaded its weights
+                    raise RuntimeError(f"co-run partner did not start (exit code {proc.poll()})")
+                time.sleep(0.2)
+                together = [_median_time(fn, repeats, flush) for fn in mine]
+                alone2 = [_median_time(fn, repeats, flush) for fn in mine]
+            finally:
+                proc.kill()
+                proc.wait(10)
+            # alone before the partner started and after it was killed would be the same; the
+            # partner runs in between, so compare with the mean of both
+            role = "attention" if partner == "expert" else "expert"
+            for t, a1, a2 in zip(together, alone, alone2):
+                ratios[role].append(t / ((a1 + a2) / 2))
+    finally:
+        os.sched_setaffinity(0, mask)
+    fa = max(1.0, float(np.mean(ratios["attention"])))
+    fe = max(1.0, float(np.mean(ratios["expert"])))
+    log(f"  attention worker x{fa:.3f} while an expert worker computes, expert worker x{fe:.3f} "
+        f"while an attention worker computes")
+    return fa, fe
+
+
+# --------------------------------------------------------------------------------------------
 # the whole profile
 # --------------------------------------------------------------------------------------------
 def _model_name(path: Path) -> str:
@@ -792,6 +926,8 @@ def run_profile(
         log(f"  experts={e:<3} " + "  ".join(f"{int(p)} pairs {t * 1e6:.0f} us" for p, t in rows))
     log("M2N transport (afdserve.comm between two processes):")
     tr = measure_transport(cfg.hidden_size, cfg.top_k, grid.msg_tokens, grid.transport_repeats, dtype, log=log)
+    log("two workers computing at once (each on its own core):")
+    corun_a, corun_e = measure_corun(path, grid.repeats * passes, flush, dtype, log=log) if grid.corun else (1.0, 1.0)
     log("engine step outside the layers:")
     step_runs = [measure_step(path, grid.step_batches, grid.repeats, flush, dtype, log=quiet) for _ in range(passes)]
     step = least([r[0] for r in step_runs], 1)
@@ -824,6 +960,7 @@ def run_profile(
                                  relative=True)
         runtime = replace(runtime, lm_head_s=h0, lm_head_per_token_s=h1,
                           lm_head_points=tuple(sorted((r[0], r[1]) for r in lm_head)))
+    runtime = replace(runtime, corun_attention=corun_a, corun_expert=corun_e)
     samples: dict[str, list[list[float]]] = {"attention": att_1}
     samples["attention_workers"] = [list(map(float, r)) for r in att]
     samples["expert"] = [[float(e), r[0], r[1]] for e, rows in exp.items() for r in rows]
@@ -865,7 +1002,8 @@ def summary(prof: Profile) -> str:
         lines.append(f"runtime: send {r.send_s * 1e6:.1f} us + {r.send_per_byte_s * 1e12:.1f} ps/B "
                      f"(+{r.ring_s * 1e6:.1f} us to a sleeper), take {r.take_s * 1e6:.1f} us, "
                      f"wake-up {r.wake_s * 1e6:.1f} us, dispatch +{r.dispatch_per_worker_s * 1e6:.1f} us/expert "
-                     f"worker, {r.cores} cores")
+                     f"worker, {r.cores} cores; computing at once: attention x{r.corun_attention:.3f}, "
+                     f"experts x{r.corun_expert:.3f}")
     return "\n".join(lines)
 
 
@@ -897,6 +1035,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="timed calls per point and pass (median)")
     p.add_argument("--passes", type=int, help="passes over the grid (a point keeps its least median)")
     p.add_argument("--warm", action="store_true", help="do not evict the caches before timed calls")
+    p.add_argument("--no-corun", action="store_true",
+                   help="skip measuring how two workers computing at once slow each other (factors 1)")
     p.add_argument("--gpu", default="cpu", help="device label of the entries (catalog name; default cpu)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     return p
@@ -927,6 +1067,8 @@ def grid_from_args(args: argparse.Namespace) -> ProfileGrid:
             if v < 1:
                 raise SystemExit(f"afdserve profile: --{name} must be >= 1")
             over[name] = v
+    if getattr(args, "no_corun", False):
+        over["corun"] = False
     return replace(g, **over)
 
 
@@ -950,5 +1092,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--transport-peer":
         _transport_peer(sys.argv[2:])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--hog":
+        _hog(sys.argv[2:])
     else:
         sys.exit(main())
