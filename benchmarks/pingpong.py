@@ -27,10 +27,12 @@ import time
 import torch
 
 
-# The demo architecture (8 layers, 8 experts top-2, hidden 256) with a 4096-token vocabulary, so the
-# LM head does not dominate a step, and 8 KV heads, so attention's KV-cache reads can balance the
-# experts at modest contexts. Experts hold 95% of the weights.
-BENCH_MODEL = {"vocab_size": 4096, "num_key_value_heads": 8}
+# The demo architecture (8 layers, 8 experts, hidden 256) with a 4096-token vocabulary, so the LM
+# head does not dominate a step; 8 KV heads, so attention's KV-cache reads can balance the experts at
+# modest contexts; and top-4 routing (as DBRX), so a micro-batch of a few hundred tokens gives each
+# expert enough tokens that re-reading its weights per micro-batch (memory-bound, ~0.6 ms an expert
+# here) is a small part of Te. Experts hold 95% of the weights.
+BENCH_MODEL = {"vocab_size": 4096, "num_key_value_heads": 8, "num_experts_per_tok": 4}
 
 
 def bench_model(path: str) -> str:
@@ -92,16 +94,51 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     return {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [r for r, _ in runs]}
 
 
-def decode_busy(trace: str, batch: int) -> dict[str, float] | None:
+def measure_m_series(kw: dict, batch: int, ms: list[int], tokens: int, prompt_len: int, vocab: int,
+                     model: str | None, trace: str | None, repeats: int) -> dict[int, dict]:
+    """Decode throughput for every m in ``ms`` in ONE deployment whose attention workers switch m
+    between decode windows, in rounds (m order rotated each round): the same processes, caches and
+    memory placement for every m, and this machine's speed drift (up to ~30 % within a minute here)
+    hits all of them alike. The median window of each m is kept."""
+    from afdserve import LLM, SamplingParams
+
+    kw = dict(kw, micro_batches=max(ms))
+    if trace:
+        kw = dict(kw, trace=trace)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(batch)]
+    runs: dict[int, list[tuple[float, float]]] = {m: [] for m in ms}
+    with LLM(model, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1), **kw) as llm:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+        if trace:
+            llm.engine.collect("trace")  # keep only the measured runs
+        for r in range(repeats):
+            for m in ms[r % len(ms):] + ms[:r % len(ms)]:
+                llm.engine.set_micro_batches(m)
+                runs[m].append(decode_window(llm.engine, prompts, tokens))
+    out = {}
+    for m in ms:
+        rs = sorted(runs[m])
+        rate, tbt = rs[len(rs) // 2]
+        usage = decode_busy(trace, batch, m) if trace else None  # the trace is written on shutdown
+        out[m] = {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [x for x, _ in runs[m]]}
+    # ratio of each round's windows, measured within seconds of each other
+    for m in ms:
+        out[m]["round_ratios_vs_first"] = [a[0] / b[0] for a, b in zip(runs[m], runs[ms[0]])]
+    return out
+
+
+def decode_busy(trace: str, batch: int, m: int | None = None) -> dict[str, float] | None:
     """Each worker's busy fraction over the trace's pure-decode steps (``batch`` tokens per step;
-    the first decode step of each run, which fills the pipeline, is left out)."""
+    only steps run with ``m`` micro-batches if given; the first decode step of each run, which fills
+    the pipeline, is left out)."""
     from afdserve.runtime.trace_plot import load, usage
 
     spans = load(trace)
     steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
     windows, prev_decode = [], False
     for e in steps:
-        decode = e["args"].get("tokens") == batch
+        decode = e["args"].get("tokens") == batch and (m is None or e["args"].get("m") == m)
         if decode and prev_decode:
             windows.append((e["ts"], e["ts"] + e["dur"]))
         prev_decode = decode
@@ -120,14 +157,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
     ap.add_argument("--na-batch", type=int, default=128, help="concurrent sequences per attention worker (n_a series)")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--prompt-len", type=int, default=56, help="context; sets Ta against Te")
+    ap.add_argument("--prompt-len", type=int, default=92, help="context; sets Ta against Te (92: Ta ~ Te here)")
     ap.add_argument("--repeats", type=int, default=3, help="decode windows per deployment (the median is kept)")
+    ap.add_argument("--m-values", default="1,2,3,4", help="micro-batch counts of the m series (first = baseline)")
+    ap.add_argument("--m-repeats", type=int, default=5, help="rounds over the m values (one window of each per round)")
     ap.add_argument("--max-attention-workers", type=int, default=3)
     ap.add_argument("--json", default="out/pingpong.json")
     ap.add_argument("--trace-dir", default="out")
     ap.add_argument("--only", default="m,na,coloc", help="which comparisons to run")
     ap.add_argument("--model", default=None, help="HF model folder (default: the benchmark variant of the demo model)")
-    ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v1")
+    ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v2")
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
                     help="disaggregated deployments as local processes or Ray actors (docs/ray.md)")
     ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
@@ -155,14 +194,24 @@ def main() -> None:
         return r
 
     if "m" in args.only:
-        print("1. micro-batches (1 attention + 1 expert worker, 1 thread each)")
-        res["micro_batches"] = {m: go(f"a1_e1_m{m}", dict(expert_workers=1, micro_batches=m, **one), args.batch,
-                                      trace=True) for m in (1, 2, 3, 4)}
-        base = res["micro_batches"][1]["decode_tok_s"]
+        ms = [int(x) for x in args.m_values.split(",")]
+        print(f"1. micro-batches (1 attention + 1 expert worker, 1 thread each; one deployment switching m "
+              f"between decode windows, {args.m_repeats} rounds)")
+        path = os.path.join(args.trace_dir, "trace_a1_e1_mseries.json")
+        kw = dict(expert_workers=1, **one) | (dict(cluster="ray") if args.cluster == "ray" else {})
+        res["micro_batches"] = measure_m_series(kw, args.batch, ms, args.tokens, args.prompt_len, vocab, model,
+                                                path, args.m_repeats)
+        for m, r in res["micro_batches"].items():
+            r["trace"] = path
+            busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
+            print(f"  {'a1_e1_m' + str(m):<28} {r['decode_tok_s']:>8.1f} tok/s  TBT {r['tbt_ms']:>7.2f} ms{busy}")
+        base = res["micro_batches"][ms[0]]["decode_tok_s"]
         for m, r in res["micro_batches"].items():
             r["speedup_vs_m1"] = r["decode_tok_s"] / base
         print("   speed-up over m=1: " + ", ".join(f"m={m}: {r['speedup_vs_m1']:.2f}x"
                                                    for m, r in res["micro_batches"].items()))
+        print("   per-round ratios: " + "; ".join(f"m={m}: " + ", ".join(f"{x:.2f}" for x in r["round_ratios_vs_first"])
+                                                for m, r in res["micro_batches"].items() if m != ms[0]))
     if "na" in args.only:
         print("2. attention workers in front of 1 expert worker (m=2, same batch per attention worker)")
         res["attention_workers"] = {

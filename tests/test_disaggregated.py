@@ -44,3 +44,18 @@ def test_disaggregated_matches_colocated(references, n_a, n_e, m, gate, split):
              expert_split=split, max_num_batched_tokens=24) as llm:  # small budget: chunked prefills too
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == colocated
+
+
+def test_micro_batches_changed_while_running(references):
+    """One deployment switched between m = 1, 3, 2 between generations gives the same tokens;
+    beyond what its links were sized for it refuses, naming the limit."""
+    path, ps, colocated = references
+    with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=1) as llm:
+        cluster = llm.engine
+        for m in (3, 2, 1):
+            cluster.set_micro_batches(m)
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+            assert [o.outputs[0].token_ids for o in outs] == colocated
+        with pytest.raises(ValueError, match=r"1\.\.3"):
+            cluster.set_micro_batches(4)
+        assert cluster.micro_batches == 1

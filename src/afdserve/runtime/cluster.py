@@ -26,7 +26,9 @@ from afdserve.model.config import ModelConfig
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
+from afdserve.runtime.deltas import DeltaDecoder
 from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.links import max_micro_batches
 from afdserve.runtime.launcher import Launched, spawn_worker, start_store
 from afdserve.runtime.trace import write_chrome_trace
 from afdserve.runtime.workers import WorkerSpec
@@ -83,7 +85,10 @@ class LocalCluster:
         self.balancer = AttentionBalancer.from_profile(self.attention, cfg.attention_cost) if cfg.attention_cost \
             else AttentionBalancer(self.attention)
         self.map_version = 0
+        self.micro_batches = cfg.micro_batches
+        self.max_micro_batches = max_micro_batches(cfg.micro_batches)
         self._buffer: list[RequestOutput] = []
+        self.outputs = DeltaDecoder()
 
     # ---- lifecycle ------------------------------------------------------------------------
     def _wait_ready(self, timeout: float) -> None:
@@ -142,6 +147,7 @@ class LocalCluster:
         self.balancer.add(target, rid, len(ids))
         self.owner[rid] = target
         self.load[target] += 1
+        self.outputs.add(rid, text, ids)
         self.workers[target].send(("add", rid, ids, text, params))
         return rid
 
@@ -150,6 +156,7 @@ class LocalCluster:
         if target is not None:
             self.load[target] -= 1
             self.balancer.remove(target, request_id)
+            self.outputs.drop(request_id)
             self.workers[target].send(("abort", request_id))
 
     def has_unfinished(self) -> bool:
@@ -182,14 +189,15 @@ class LocalCluster:
         kind = msg[0]
         if kind == "out":
             self.stats[name] = msg[2]
-            for o in msg[1]:
+            outs = [self.outputs.decode(d) for d in msg[1]]
+            for o in outs:
                 if o.finished:
                     if self.owner.pop(o.request_id, None) is not None:
                         self.load[name] -= 1
                     self.balancer.remove(name, o.request_id)
                 elif o.outputs:
                     self.balancer.update(name, o.request_id, len(o.prompt_token_ids) + len(o.outputs[0].token_ids))
-            return [o for o in msg[1]]
+            return outs
         if kind in ("failed", "crash"):
             return self._worker_died(name if kind == "crash" else None, msg[2])
         if kind == "stats":
@@ -256,6 +264,15 @@ class LocalCluster:
         self.map_version, self.expert_map = version, new_map
         return new_map
 
+    def set_micro_batches(self, m: int) -> None:
+        """Changes how many micro-batches every attention worker splits its batch into, from the
+        next step on (the deployment keeps its processes, links and caches)."""
+        if not 1 <= m <= self.max_micro_batches:
+            raise ValueError(f"micro_batches must be in 1..{self.max_micro_batches} (the links were sized "
+                             f"at start-up for micro_batches={self.max_micro_batches}), got {m}")
+        self._call(self.attention, ("set_micro_batches", m))
+        self.micro_batches = m
+
     def _who(self, name: str) -> str:
         """``expert1 (pid 123)``; workers on other machines say which node too."""
         return f"{name} ({self.workers[name].describe()})"
@@ -271,6 +288,7 @@ class LocalCluster:
         outs = []
         for rid in list(self.owner):
             self.owner.pop(rid)
+            self.outputs.drop(rid)
             outs.append(RequestOutput(rid, None, [], [], finished=True, error=f"worker failure: {reason}"))
         self.load = {a: 0 for a in self.load}
         if name is not None and name in self.workers:

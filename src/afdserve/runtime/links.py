@@ -28,6 +28,12 @@ def slot_bytes(spec: "WorkerSpec") -> int:
     return tokens * (cfg.hidden_size * 4 + cfg.top_k * 8) + 4 * 64
 
 
+def max_micro_batches(started_with: int) -> int:
+    """Micro-batches the links of a deployment started with ``started_with`` can carry (one slot
+    per micro-batch in flight per pair, plus one)."""
+    return max(3, started_with)
+
+
 class Links:
     def __init__(self, comm: Communicator, peers: Sequence[str]):
         self.comm, self.peers = comm, list(peers)
@@ -37,7 +43,7 @@ class Links:
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
-        cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max(4, spec.config.micro_batches + 1),
+        cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max_micro_batches(spec.config.micro_batches) + 1,
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **spec.comm)
         comm = Communicator(spec.name, store, cfg, group=spec.group)

@@ -21,6 +21,7 @@ import torch
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import build_attention_engine
 from afdserve.engine.outputs import CompletionOutput, RequestOutput
+from afdserve.runtime.deltas import DeltaEncoder
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.balance.load import LoadTracker
@@ -84,6 +85,10 @@ class AttentionWorker:
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
         self.engine.runner = self.runner
         self.failed: str | None = None
+        self.deltas = DeltaEncoder()
+
+    def _send_outputs(self, ctl: Control, outs: list[RequestOutput]) -> None:
+        ctl.send(("out", self.deltas.encode(outs), self._stats()))
 
     def serve(self, ctl: Control) -> None:
         ctl.send(("ready", self.spec.name, os.getpid()))
@@ -104,26 +109,26 @@ class AttentionWorker:
                     self.tracer.spans.append(_idle_span(t0))
                 continue
             try:
-                with self.tracer.span("step", step=self.runner.step_no + 1) as span:
+                with self.tracer.span("step", step=self.runner.step_no + 1, m=self.runner.m) as span:
                     outs = eng.step()
                     span["tokens"] = eng.last_step.num_tokens
             except PeerFailure as e:
                 self._fail_all(str(e), ctl)
                 continue
             if outs:
-                ctl.send(("out", outs, self._stats()))
+                self._send_outputs(ctl, outs)
 
     def _control(self, msg: tuple, ctl: Control) -> None:
         kind = msg[0]
         if kind == "add":
             _, rid, ids, text, params = msg
             if self.failed:
-                ctl.send(("out", [_failed_output(rid, text, ids, self.failed)], self._stats()))
+                self._send_outputs(ctl, [_failed_output(rid, text, ids, self.failed)])
                 return
             try:
                 self.engine.add_request({"prompt_token_ids": ids, "prompt": text}, params, request_id=rid)
             except Exception as e:  # validated by the front end already; report anyway
-                ctl.send(("out", [_failed_output(rid, text, ids, f"{type(e).__name__}: {e}")], self._stats()))
+                self._send_outputs(ctl, [_failed_output(rid, text, ids, f"{type(e).__name__}: {e}")])
         elif kind == "abort":
             self.engine.abort(msg[1])
         elif kind == "trace":
@@ -135,6 +140,9 @@ class AttentionWorker:
                 st["load"] = self.runner.tracker.snapshot().to_json()
             st["transports"] = _transports(self.links)
             ctl.send(("stats", self.spec.name, st))
+        elif kind == "set_micro_batches":  # between steps, like set_map
+            self.runner.m = msg[1]
+            ctl.send(("ack", self.spec.name, msg[1]))
         elif kind == "set_map":  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg[1], msg[2])
             ctl.send(("ack", self.spec.name, msg[1]))
@@ -143,7 +151,6 @@ class AttentionWorker:
         eng = self.engine
         return {"running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting),
                 "kv_usage": eng.blocks.usage, "step_s": eng.last_step.seconds, "step_tokens": eng.last_step.num_tokens,
-                "lengths": {rid: s.num_tokens for rid, s in eng.seqs.items()},
                 "tokens_per_expert_worker": self.runner.tokens_per_worker.tolist()}
 
     def _fail_all(self, reason: str, ctl: Control) -> None:
@@ -156,7 +163,7 @@ class AttentionWorker:
                 outs.append(out)
         ctl.send(("failed", self.spec.name, reason))
         if outs:
-            ctl.send(("out", outs, self._stats()))
+            self._send_outputs(ctl, outs)
 
     def close(self) -> None:
         self.links.close()
