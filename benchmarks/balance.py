@@ -7,7 +7,9 @@ contiguous placement, so that worker is the straggler of every layer.
 
   no replicas: 2 expert workers x 4 slots (contiguous placement)
   replicas:    2 expert workers x 5 slots, placed by the JANUS planner from the measured load
-               (re-planned live on the running deployment)
+
+One deployment switches live between the two (``rebalance``), alternating over ``--rounds``, so
+both are measured by the same processes within seconds of each other.
 
 Reports decode throughput, the max/mean load ratio of the expert workers (token-expert pairs
 computed), and whether greedy outputs are identical.
@@ -54,48 +56,72 @@ def skewed_checkpoint(path: Path, strength: float = 0.2) -> Path:
     return path
 
 
-def worker_loads(llm) -> list[int]:
-    """Token-expert pairs each expert worker computed so far."""
+def layer_loads(llm) -> list[list[int]]:
+    """Per expert worker and layer, the token-expert pairs it computed so far."""
     stats = llm.engine.collect("stats")
-    return [int(torch.tensor(stats[n]["tokens_per_expert"])[:, :-1].sum()) for n in sorted(llm.engine.experts)]
+    return [torch.tensor(stats[n]["tokens_per_expert"])[:, :-1].sum(1).tolist() for n in sorted(llm.engine.experts)]
 
 
-def measure(path: Path, batch: int, tokens: int, prompt_len: int, replicate: bool, slots: int,
+def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, rounds: int, micro_batches: int,
             cluster: str = "local") -> dict:
+    """One deployment (1 attention + 2 expert workers) switched live between the contiguous
+    placement (no replicas, 4 slots a worker) and the JANUS plan of the measured load (``slots``
+    a worker, hot experts replicated), ``rounds`` times each, alternating: both placements see
+    the same processes, caches and this machine's speed drift. Medians are kept."""
     from afdserve import LLM, SamplingParams
+    from afdserve.balance.planners import plan_janus
 
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(prompt_len)]} for _ in range(batch)]
-    kw = dict(expert_workers=2, micro_batches=2, num_threads=1, max_num_seqs=batch, kv_cache_gb=0.5, cluster=cluster)
+    kw = dict(expert_workers=2, micro_batches=micro_batches, num_threads=1, max_num_seqs=batch,
+              max_num_batched_tokens=batch * (prompt_len + 1), kv_cache_gb=1.0, cluster=cluster)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     with LLM(str(path), **kw) as llm:
-        greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
         llm.generate(prompts, greedy(4))  # warm-up; records the expert load
         snapshot = llm.engine.expert_load()
-        if replicate:
-            llm.engine.rebalance(slots_per_worker=slots)
-        before = worker_loads(llm)
-
-        def timed(n: int) -> tuple[float, list]:
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, greedy(n))
-            return time.perf_counter() - t0, outs
-
-        t1, _ = timed(1)
-        tn, outs = timed(tokens)
-        after = worker_loads(llm)
-        placement = [[list(llm.engine.expert_map.placement.layers[0].experts_on(w))] for w in range(2)]
-    loads = [a - b for a, b in zip(after, before)]
-    tbt = (tn - t1) / (tokens - 1)
-    return {"decode_tok_s": batch / tbt, "tbt_ms": tbt * 1e3, "worker_loads": loads,
-            "max_mean_load": max(loads) / (sum(loads) / len(loads)), "placement_layer0": placement,
-            "outputs": [o.outputs[0].token_ids for o in outs], "snapshot": snapshot.to_json() if snapshot else None}
+        placements = {"no_replicas": llm.engine.expert_map.placement,
+                      "replicas": plan_janus(snapshot, 2, slots)}
+        runs: dict[str, list[dict]] = {k: [] for k in placements}
+        for r in range(rounds):
+            for name in (list(placements) if r % 2 == 0 else list(placements)[::-1]):
+                llm.engine.rebalance(placement=placements[name])
+                before = layer_loads(llm)
+                t0 = time.perf_counter()
+                llm.generate(prompts, greedy(1))
+                t1 = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, greedy(tokens))
+                tn = time.perf_counter() - t0
+                per_layer = [[a - b for a, b in zip(wa, wb)] for wa, wb in zip(layer_loads(llm), before)]
+                loads = [sum(w) for w in per_layer]
+                tbt = (tn - t1) / (tokens - 1)
+                runs[name].append({"decode_tok_s": batch / tbt, "tbt_ms": tbt * 1e3, "worker_loads": loads,
+                                   "worker_layer_loads": per_layer,
+                                   "outputs": [o.outputs[0].token_ids for o in outs]})
+                print(f"  round {r}: {name:<12} {batch / tbt:8.1f} tok/s  worker loads {loads}", flush=True)
+    out = {}
+    for name, rs in runs.items():
+        med = sorted(rs, key=lambda x: x["decode_tok_s"])[len(rs) // 2]
+        loads = med["worker_loads"]
+        out[name] = dict(med, max_mean_load=max(loads) / (sum(loads) / len(loads)),
+                         runs_tok_s=[x["decode_tok_s"] for x in rs],
+                         placement_layer0=[list(placements[name].layers[0].experts_on(w)) for w in range(2)],
+                         all_outputs=[x["outputs"] for x in rs])
+    out["snapshot"] = snapshot.to_json() if snapshot else None
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=512,
+                    help="concurrent sequences: large enough that the hot experts are compute-bound")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=16, help="short: attention stays a small part of a step")
+    ap.add_argument("--rounds", type=int, default=5, help="windows per placement, alternating")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="1 (default): the attention worker sleeps while the experts compute, so the two expert "
+                         "workers have the two cores to themselves and the slower one sets the pace; with m >= 2 "
+                         "three processes time-share two cores and the total work, not the balance, sets it")
     ap.add_argument("--slots", type=int, default=5, help="expert slots per worker with replicas")
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/afdserve/skewed-demo-v2"))
     ap.add_argument("--json", default="out/balance.json")
@@ -110,26 +136,37 @@ def main() -> None:
 
         ray.init(address=args.ray_address)  # once: both deployments join this connection
     path = skewed_checkpoint(Path(args.model_dir))
-    no = measure(path, args.batch, args.tokens, args.prompt_len, False, 4, args.cluster)
-    rep = measure(path, args.batch, args.tokens, args.prompt_len, True, args.slots, args.cluster)
+    both = measure(path, args.batch, args.tokens, args.prompt_len, args.slots, args.rounds, args.micro_batches,
+                   args.cluster)
+    no, rep = both["no_replicas"], both["replicas"]
+    first = no["all_outputs"][0]
     res = {"throughput_no_replicas": no["decode_tok_s"], "throughput_replicas": rep["decode_tok_s"],
            "max_mean_load_no_replicas": no["max_mean_load"], "max_mean_load_replicas": rep["max_mean_load"],
-           "outputs_identical": no["outputs"] == rep["outputs"],
+           "outputs_identical": all(o == first for o in no["all_outputs"] + rep["all_outputs"]),
+           "throughput_runs_no_replicas": no["runs_tok_s"], "throughput_runs_replicas": rep["runs_tok_s"],
+           "micro_batches": args.micro_batches, "rounds": args.rounds,
+           "round_ratios": [r / n for r, n in zip(rep["runs_tok_s"], no["runs_tok_s"])],
            "worker_loads_no_replicas": no["worker_loads"], "worker_loads_replicas": rep["worker_loads"],
-           "placement_layer0_replicas": rep["placement_layer0"], "batch": args.batch, "tokens": args.tokens}
+           "placement_layer0_replicas": rep["placement_layer0"],
+           "worker_layer_loads_no_replicas": no["worker_layer_loads"],
+           "worker_layer_loads_replicas": rep["worker_layer_loads"], "batch": args.batch, "tokens": args.tokens}
     print(f"{'':<14} {'decode tok/s':>12} {'TBT ms':>8} {'max/mean load':>14}  worker loads (pairs)")
     for name, r in (("no replicas", no), ("replicas", rep)):
         print(f"{name:<14} {r['decode_tok_s']:>12.1f} {r['tbt_ms']:>8.2f} {r['max_mean_load']:>14.2f}  {r['worker_loads']}")
-    print(f"throughput ratio {res['throughput_replicas'] / res['throughput_no_replicas']:.2f}x, "
+    ratios = sorted(res["round_ratios"])
+    res["round_ratio_median"] = ratios[len(ratios) // 2]
+    print(f"throughput ratio (medians) {res['throughput_replicas'] / res['throughput_no_replicas']:.2f}x; "
+          f"per round (the two windows of a round run back to back) {', '.join(f'{r:.2f}' for r in res['round_ratios'])}: "
+          f"median {res['round_ratio_median']:.2f}x, replicas faster in {sum(r > 1 for r in ratios)}/{len(ratios)}; "
           f"greedy outputs identical: {res['outputs_identical']}")
     print(f"replica placement (layer 0, per worker): {rep['placement_layer0']}")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)
-    if no["snapshot"]:
+    if both["snapshot"]:
         snap_path = os.path.splitext(args.json)[0] + "_load.json"
         with open(snap_path, "w") as f:
-            json.dump(no["snapshot"], f) if isinstance(no["snapshot"], dict) else f.write(no["snapshot"])
+            json.dump(both["snapshot"], f) if isinstance(both["snapshot"], dict) else f.write(both["snapshot"])
         print(f"load snapshot: {snap_path}  (draw it: afdserve expert-load {snap_path} --out PNG)")
     if args.plot:
         import matplotlib
@@ -137,15 +174,26 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 3))
+        import numpy as np
+
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+        ax = axes[0]
         x = range(len(no["worker_loads"]))
         ax.bar([i - 0.2 for i in x], no["worker_loads"], 0.4, label="no replicas")
         ax.bar([i + 0.2 for i in x], rep["worker_loads"], 0.4, label=f"replicas ({args.slots} slots)")
         ax.set_xticks(list(x), [f"expert{i}" for i in x])
         ax.set_ylabel("token-expert pairs computed")
         ax.set_title("expert worker load, skewed router")
-        ax.legend()
-        fig.tight_layout()
+        ax.legend(fontsize=8)
+        grids = [np.array(r["worker_layer_loads"], dtype=float).T for r in (no, rep)]  # [layers, workers]
+        vmax = max(g.max() for g in grids)
+        for ax, g, title in zip(axes[1:], grids, (f"before (max/mean {no['max_mean_load']:.2f})",
+                                                   f"after (max/mean {rep['max_mean_load']:.2f})")):
+            im = ax.imshow(g, aspect="auto", cmap="viridis", vmin=0, vmax=vmax)
+            ax.set_xticks(range(g.shape[1]), [f"expert{i}" for i in range(g.shape[1])])
+            ax.set_ylabel("layer")
+            ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=axes[1:], label="pairs per worker and layer")
         fig.savefig(args.plot, dpi=120)
     print(f"wrote {args.json}")
 

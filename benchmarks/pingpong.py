@@ -90,7 +90,8 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
             llm.engine.collect("trace")  # keep only the measured run
         runs = sorted(decode_window(llm.engine, prompts, tokens) for _ in range(repeats))
         rate, tbt = runs[len(runs) // 2]  # the median run (the trace covers all of them)
-    usage = decode_busy(trace, batch) if trace else None  # the trace is written on shutdown
+    # each attention worker steps over its own share of the batch (the trace is written on shutdown)
+    usage = decode_busy(trace, batch // kw.get("attention_workers", 1)) if trace else None
     return {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [r for r, _ in runs]}
 
 
@@ -152,6 +153,28 @@ def decode_busy(trace: str, batch: int, m: int | None = None) -> dict[str, float
     return busy
 
 
+def draw_steps(trace: str, batch: int, ms: list[int], out_dir: str, steps: int = 2) -> None:
+    """``pingpong_m{m}.png``: the timeline of ``steps`` steady decode steps run with m micro-batches."""
+    from afdserve.runtime.trace_plot import load, plot, steady_window
+
+    spans = load(trace)
+    lo, _ = steady_window(spans, trim=0.0)
+    all_steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
+    for m in ms:
+        run = [e for e in all_steps if e["args"].get("tokens") == batch and e["args"].get("m") == m]
+        if len(run) < steps + 3:
+            continue
+        first = run[len(run) // 2]  # a step in the middle of the measured windows
+        i = all_steps.index(first)
+        if any(e["args"].get("m") != m or e["args"].get("tokens") != batch for e in all_steps[i:i + steps]):
+            continue
+        end = all_steps[i + steps - 1]
+        out = os.path.join(out_dir, f"pingpong_m{m}.png")
+        plot(spans, out, (first["ts"] - lo) / 1e3, (end["ts"] + end["dur"] - first["ts"]) / 1e3,
+             title=f"m = {m}: {steps} decode steps (batch {batch}; numbers: micro-batch)")
+        print(f"   timeline: {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
@@ -205,6 +228,7 @@ def main() -> None:
             r["trace"] = path
             busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
             print(f"  {'a1_e1_m' + str(m):<28} {r['decode_tok_s']:>8.1f} tok/s  TBT {r['tbt_ms']:>7.2f} ms{busy}")
+        draw_steps(path, args.batch, ms, args.trace_dir)
         base = res["micro_batches"][ms[0]]["decode_tok_s"]
         for m, r in res["micro_batches"].items():
             r["speedup_vs_m1"] = r["decode_tok_s"] / base
