@@ -722,6 +722,40 @@ def measure_step(
 # --------------------------------------------------------------------------------------------
 # two workers computing at once: what they cost each other (shared LLC / memory bandwidth)
 # --------------------------------------------------------------------------------------------
+def _attention_work(model_path: Path, cfg: Any, reader: Any, dt: torch.dtype) -> tuple[Callable[[int], None],
+                                                                                      Callable[[], None]]:
+    """An attention worker's work on a decode micro-batch of 16 (64 tokens of context): ``(one
+    layer, the LM head)``."""
+    from afdserve.kvcache.cache import KVCache
+    from afdserve.model.model import AttentionModel
+
+    model = AttentionModel.load(model_path, dt, cfg, reader)
+    meta, blocks = _decode_meta(16, 64, 16)
+    kv = KVCache(cfg, blocks, 16, dt)
+    x = torch.randn(16, cfg.hidden_size).to(dt)
+    cos_sin = model.rotary.cos_sin(meta.positions, dt)
+
+    def layer(lyr: int) -> None:
+        h, y, _ids, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+        model.post_moe(lyr, h, y, torch.zeros_like(y))
+
+    return layer, lambda: model.logits(x)
+
+
+def _expert_work(model_path: Path, cfg: Any, reader: Any, dt: torch.dtype,
+                 pairs_per_expert: int) -> Callable[[int], None]:
+    """An expert worker holding every expert: one layer over ``pairs_per_expert`` pairs an expert."""
+    from afdserve.model.model import ExpertModel
+
+    compute = _expert_compute(ExpertModel.load(model_path, None, dt, cfg, reader), cfg.num_layers,
+                              cfg.num_experts, cfg.num_experts)
+    k = cfg.top_k
+    tokens = pairs_per_expert * cfg.num_experts // k
+    ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)], dtype=torch.int32)
+    y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
+    return lambda lyr: compute.run(lyr, [[y, ids, w]])
+
+
 @torch.inference_mode()
 def _hog(argv: Sequence[str]) -> None:
     """``python -m afdserve.planner.profiler --hog ROLE MODEL DTYPE SECONDS``: one worker role's
@@ -730,36 +764,20 @@ def _hog(argv: Sequence[str]) -> None:
     torch.set_num_threads(1)
     cfg, reader, dt = _load(model_path, dtype)
     end = time.monotonic() + seconds
-    if role == "expert":  # an expert worker holding every expert, rounds of 8 pairs per expert
-        from afdserve.model.model import ExpertModel
-
-        compute = _expert_compute(ExpertModel.load(model_path, None, dt, cfg, reader), cfg.num_layers,
-                                  cfg.num_experts, cfg.num_experts)
-        k = cfg.top_k
-        tokens = 8 * cfg.num_experts // k
-        ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)],
-                           dtype=torch.int32)
-        y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
-        layer = 0
+    if role == "expert":  # rounds of 8 pairs per expert
+        expert_layer = _expert_work(model_path, cfg, reader, dt, 8)
         print("ready", flush=True)
+        layer = 0
         while time.monotonic() < end:
-            compute.run(layer % cfg.num_layers, [[y, ids, w]])
+            expert_layer(layer % cfg.num_layers)
             layer += 1
-    else:  # an attention worker: a micro-batch of 16 through every layer, then its LM head
-        from afdserve.kvcache.cache import KVCache
-        from afdserve.model.model import AttentionModel
-
-        model = AttentionModel.load(model_path, dt, cfg, reader)
-        meta, blocks = _decode_meta(16, 64, 16)
-        kv = KVCache(cfg, blocks, 16, dt)
-        x = torch.randn(16, cfg.hidden_size).to(dt)
-        cos_sin = model.rotary.cos_sin(meta.positions, dt)
+    else:  # every layer, then the LM head
+        attention_layer, lm_head = _attention_work(model_path, cfg, reader, dt)
         print("ready", flush=True)
         while time.monotonic() < end:
             for lyr in range(cfg.num_layers):
-                h, y, _ids, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
-                model.post_moe(lyr, h, y, torch.zeros_like(y))
-            model.logits(x)
+                attention_layer(lyr)
+            lm_head()
 
 
 def measure_corun(
@@ -774,38 +792,20 @@ def measure_corun(
     other role computes on another core, than alone.  (1.0, 1.0) with fewer than two cores."""
     import subprocess
 
-    from afdserve.kvcache.cache import KVCache
-    from afdserve.model.model import AttentionModel, ExpertModel
-
     if cpu_cores() < 2 or not hasattr(os, "sched_setaffinity"):
         return 1.0, 1.0
     cfg, reader, dt = _load(model_path, dtype)
-    model = AttentionModel.load(model_path, dt, cfg, reader)
-    meta, blocks = _decode_meta(16, 64, 16)
-    kv = KVCache(cfg, blocks, 16, dt)
-    x = torch.randn(16, cfg.hidden_size).to(dt)
-    cos_sin = model.rotary.cos_sin(meta.positions, dt)
-    compute = _expert_compute(ExpertModel.load(model_path, None, dt, cfg, reader), cfg.num_layers,
-                              cfg.num_experts, cfg.num_experts)
-    k = cfg.top_k
-    tokens = 4 * cfg.num_experts // k
-    ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)], dtype=torch.int32)
-    y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
+    attention_layer, lm_head = _attention_work(model_path, cfg, reader, dt)
+    expert_layer = _expert_work(model_path, cfg, reader, dt, 4)
     n = [0]
 
     def attention() -> None:
-        lyr = n[0] % cfg.num_layers
+        attention_layer(n[0] % cfg.num_layers)
         n[0] += 1
-        h, yy, _i, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
-        model.post_moe(lyr, h, yy, torch.zeros_like(yy))
-
-    def lm_head() -> None:
-        model.logits(x)
 
     def expert() -> None:
-        lyr = n[0] % cfg.num_layers
+        expert_layer(n[0] % cfg.num_layers)
         n[0] += 1
-        compute.run(lyr, [[y, ids, w]])
 
     mask = os.sched_getaffinity(0)
     a, b = sorted(mask)[:2]
