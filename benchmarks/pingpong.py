@@ -76,66 +76,51 @@ def decode_window(engine, prompts: list[dict], tokens: int) -> tuple[float, floa
 
 
 def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, model: str | None,
-            trace: str | None = None, repeats: int = 3) -> dict:
+            trace: str | None = None, repeats: int = 3, ms: list[int] | None = None) -> dict:
+    """Decode windows of one deployment, ``repeats`` of them; the median window is kept. Returns
+    ``{None: result}``, or with ``ms`` ``{m: result}``: the deployment's attention workers then switch
+    m between windows, in rounds (m order rotated each round), so every m runs on the same
+    processes, caches and memory placement, and this machine's speed drift (up to ~30 % within a
+    minute here) hits all of them alike."""
     from afdserve import LLM, SamplingParams
+    from afdserve.runtime.trace_plot import load
 
+    settings: list[int | None] = list(ms) if ms else [None]
+    if ms:
+        kw = dict(kw, micro_batches=max(ms))
     if trace:
         kw = dict(kw, trace=trace)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(batch)]
+    runs: dict[int | None, list[tuple[float, float]]] = {s: [] for s in settings}
     # the whole batch prefills in one step, so every sequence then decodes in lockstep
-    with LLM(model, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1), **kw) as llm:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-        if trace:
-            llm.engine.collect("trace")  # keep only the measured run
-        runs = sorted(decode_window(llm.engine, prompts, tokens) for _ in range(repeats))
-        rate, tbt = runs[len(runs) // 2]  # the median run (the trace covers all of them)
-    # each attention worker steps over its own share of the batch (the trace is written on shutdown)
-    usage = decode_busy(trace, batch // kw.get("attention_workers", 1)) if trace else None
-    return {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [r for r, _ in runs]}
-
-
-def measure_m_series(kw: dict, batch: int, ms: list[int], tokens: int, prompt_len: int, vocab: int,
-                     model: str | None, trace: str | None, repeats: int) -> dict[int, dict]:
-    """Decode throughput for every m in ``ms`` in ONE deployment whose attention workers switch m
-    between decode windows, in rounds (m order rotated each round): the same processes, caches and
-    memory placement for every m, and this machine's speed drift (up to ~30 % within a minute here)
-    hits all of them alike. The median window of each m is kept."""
-    from afdserve import LLM, SamplingParams
-
-    kw = dict(kw, micro_batches=max(ms))
-    if trace:
-        kw = dict(kw, trace=trace)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]} for _ in range(batch)]
-    runs: dict[int, list[tuple[float, float]]] = {m: [] for m in ms}
     with LLM(model, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1), **kw) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
         if trace:
             llm.engine.collect("trace")  # keep only the measured runs
         for r in range(repeats):
-            for m in ms[r % len(ms):] + ms[:r % len(ms)]:
-                llm.engine.set_micro_batches(m)
+            for m in settings[r % len(settings):] + settings[:r % len(settings)]:
+                if m is not None:
+                    llm.engine.set_micro_batches(m)
                 runs[m].append(decode_window(llm.engine, prompts, tokens))
-    out = {}
-    for m in ms:
-        rs = sorted(runs[m])
-        rate, tbt = rs[len(rs) // 2]
-        usage = decode_busy(trace, batch, m) if trace else None  # the trace is written on shutdown
-        out[m] = {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "busy": usage, "runs_tok_s": [x for x, _ in runs[m]]}
-    # ratio of each round's windows, measured within seconds of each other
-    for m in ms:
-        out[m]["round_ratios_vs_first"] = [a[0] / b[0] for a, b in zip(runs[m], runs[ms[0]])]
+    spans = load(trace) if trace else None  # the trace is written on shutdown
+    per_worker = batch // kw.get("attention_workers", 1)  # each attention worker steps over its share
+    out: dict = {}
+    for m in settings:
+        rate, tbt = sorted(runs[m])[len(runs[m]) // 2]
+        out[m] = {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "runs_tok_s": [x for x, _ in runs[m]],
+                  "busy": decode_busy(spans, per_worker, m) if spans else None}
+        if ms:  # ratio of each round's windows, measured within seconds of each other
+            out[m]["round_ratios_vs_first"] = [a[0] / b[0] for a, b in zip(runs[m], runs[ms[0]])]
     return out
 
 
-def decode_busy(trace: str, batch: int, m: int | None = None) -> dict[str, float] | None:
+def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
     """Each worker's busy fraction over the trace's pure-decode steps (``batch`` tokens per step;
     only steps run with ``m`` micro-batches if given; the first decode step of each run, which fills
     the pipeline, is left out)."""
-    from afdserve.runtime.trace_plot import load, usage
+    from afdserve.runtime.trace_plot import usage
 
-    spans = load(trace)
     steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
     windows, prev_decode = [], False
     for e in steps:
@@ -157,7 +142,7 @@ def draw_steps(trace: str, batch: int, ms: list[int], out_dir: str, steps: int =
     """``pingpong_m{m}.png``: the timeline of ``steps`` steady decode steps run with m micro-batches."""
     from afdserve.runtime.trace_plot import load, plot, steady_window
 
-    spans = load(trace)
+    spans = load(trace)  # a second read of the trace (measure's was for the busy fractions)
     lo, _ = steady_window(spans, trim=0.0)
     all_steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
     for m in ms:
@@ -210,7 +195,7 @@ def main() -> None:
         path = os.path.join(args.trace_dir, f"trace_{name}.json") if traced else None
         if args.cluster == "ray" and kw.get("expert_workers", 0) > 0:
             kw = dict(kw, cluster="ray")
-        r = measure(kw, batch, args.tokens, args.prompt_len, vocab, model, path, args.repeats)
+        r = measure(kw, batch, args.tokens, args.prompt_len, vocab, model, path, args.repeats)[None]
         r["trace"] = path
         busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
         print(f"  {name:<28} {r['decode_tok_s']:>8.1f} tok/s  TBT {r['tbt_ms']:>7.2f} ms{busy}", flush=True)
@@ -222,8 +207,8 @@ def main() -> None:
               f"between decode windows, {args.m_repeats} rounds)")
         path = os.path.join(args.trace_dir, "trace_a1_e1_mseries.json")
         kw = dict(expert_workers=1, **one) | (dict(cluster="ray") if args.cluster == "ray" else {})
-        res["micro_batches"] = measure_m_series(kw, args.batch, ms, args.tokens, args.prompt_len, vocab, model,
-                                                path, args.m_repeats)
+        res["micro_batches"] = measure(kw, args.batch, args.tokens, args.prompt_len, vocab, model, path,
+                                       args.m_repeats, ms=ms)
         for m, r in res["micro_batches"].items():
             r["trace"] = path
             busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
