@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from afdserve.cluster.placement import Demand, Node, why_unplaceable
 from afdserve.cluster.spec import ROLES, DeploymentSpec
 from afdserve.errors import WorkerError
+from afdserve.runtime.launcher import ControlLink
 
 
 class WorkerActor:
@@ -57,7 +58,7 @@ class WorkerActor:
 
 
 @dataclass
-class RayLaunched:
+class RayLaunched(ControlLink):
     """A worker actor and its control connection: the ``Launched`` interface of the local runtime."""
 
     name: str
@@ -94,14 +95,6 @@ class RayLaunched:
             return f"Ray actor died: {cause}"
         except Exception as e:  # noqa: BLE001 - report whatever Ray says
             return f"{type(e).__name__}: {e}"
-
-    def send(self, msg: Any) -> None:
-        if self.dead:
-            return
-        try:
-            self.conn.send(msg)
-        except (BrokenPipeError, EOFError, OSError):
-            self.dead = True
 
     def wait(self, timeout: float) -> None:
         ray.wait([self.ref], timeout=timeout)

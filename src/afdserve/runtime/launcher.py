@@ -24,8 +24,24 @@ from afdserve.runtime.workers import WorkerSpec, run_worker
 PR_SET_PDEATHSIG = 1
 
 
+class ControlLink:
+    """What every launched worker handle shares: its control connection ``conn``, and ``dead`` set
+    once that connection breaks (a send to a dead worker is dropped)."""
+
+    conn: Connection
+    dead: bool
+
+    def send(self, msg: Any) -> None:
+        if self.dead:
+            return
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, EOFError, OSError):
+            self.dead = True
+
+
 @dataclass
-class Launched:
+class Launched(ControlLink):
     """A worker process and its control connection (whose EOF also signals the worker's death)."""
 
     name: str
@@ -57,14 +73,6 @@ class Launched:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-
-    def send(self, msg: Any) -> None:
-        if self.dead:
-            return
-        try:
-            self.conn.send(msg)
-        except (BrokenPipeError, EOFError, OSError):
-            self.dead = True
 
     def join(self, timeout: float) -> None:
         try:
