@@ -827,12 +827,12 @@ def measure_corun(
                     raise RuntimeError(f"co-run partner did not start (exit code {proc.poll()})")
                 time.sleep(0.2)
                 together = [_median_time(fn, repeats, flush) for fn in mine]
-                alone2 = [_median_time(fn, repeats, flush) for fn in mine]
             finally:
                 proc.kill()
                 proc.wait(10)
-            # alone before the partner started and after it was killed would be the same; the
-            # partner runs in between, so compare with the mean of both
+            alone2 = [_median_time(fn, repeats, flush) for fn in mine]
+            # alone before the partner started and after it was killed: compare with the mean of
+            # both, so a drift of the machine's speed during the measurement cancels
             role = "attention" if partner == "expert" else "expert"
             for t, a1, a2 in zip(together, alone, alone2):
                 ratios[role].append(t / ((a1 + a2) / 2))
