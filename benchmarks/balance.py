@@ -58,8 +58,8 @@ def skewed_checkpoint(path: Path, strength: float = 0.2) -> Path:
 
 def layer_loads(llm) -> list[list[int]]:
     """Per expert worker and layer, the token-expert pairs it computed so far."""
-    stats = llm.engine.collect("stats")
-    return [torch.tensor(stats[n]["tokens_per_expert"])[:, :-1].sum(1).tolist() for n in sorted(llm.engine.experts)]
+    stats = llm.engine.worker_stats()
+    return [torch.tensor(stats[n].tokens_per_expert)[:, :-1].sum(1).tolist() for n in sorted(llm.engine.experts)]
 
 
 def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, rounds: int, micro_batches: int,

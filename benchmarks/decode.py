@@ -73,7 +73,7 @@ def main() -> None:
 
     path = resolve_model(args.model)
     llm = LLM(str(path), dtype="float32", max_num_seqs=max(64, max(map(int, args.batch_sizes.split(",")))))
-    vocab = llm.engine.runner.vocab_size
+    vocab = llm.engine.vocab_size
     hf = None
     if not args.no_hf:
         import transformers

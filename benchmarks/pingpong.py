@@ -49,7 +49,7 @@ def bench_model(path: str) -> str:
 def decode_window(engine, prompts: list[dict], tokens: int) -> tuple[float, float]:
     """Runs the prompts to ``tokens`` new tokens each and returns (decode tokens/s, time between
     tokens) over the steady state: from when every sequence has its first token until the first one
-    finishes. One prefill per measurement; works for the colocated engine and for clusters."""
+    finishes. One prefill per measurement; works for every deployment (``EngineClient``)."""
     from afdserve import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -59,7 +59,7 @@ def decode_window(engine, prompts: list[dict], tokens: int) -> tuple[float, floa
     t_start = n_start = None
     t_end = n_end = None
     while engine.has_unfinished():
-        outs = engine.step()
+        outs = engine.get_outputs(timeout=1.0)
         now = time.perf_counter()
         for o in outs:
             if o.error:
@@ -97,7 +97,7 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     with LLM(model, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1), **kw) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
         if trace:
-            llm.engine.collect("trace")  # keep only the measured runs
+            llm.engine.traces()  # keep only the measured runs
         for r in range(repeats):
             for m in settings[r % len(settings):] + settings[:r % len(settings)]:
                 if m is not None:

@@ -56,7 +56,7 @@ def parse_deployments(text: str) -> list[tuple[int, int, int, int]]:
 def wait_idle(threshold: float, max_wait_s: float) -> float:
     """Waits (up to ``max_wait_s``) until the machine's CPUs were at least ``threshold`` idle over a
     second; returns the last idle fraction.  Other processes' work only adds to a measurement."""
-    from afdserve.planner.profiler import idle_fraction
+    from afdserve.profiling import idle_fraction
 
     end = time.monotonic() + max_wait_s
     idle = idle_fraction(1.0)
@@ -86,7 +86,7 @@ def cpu_snapshot(pids: list[int]) -> tuple[float, float]:
 
 def pin_workers(llm, cores: list[int]) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """Pins the deployment's worker processes round-robin to ``cores`` (attention workers first),
-    as ``planner.local.pinned_round_robin`` assumes."""
+    as ``planner.runtime_sim.pinned_round_robin`` assumes."""
     workers = llm.engine.workers
     order = sorted((n for n in workers if n.startswith("attention")), key=lambda n: int(n[9:]))
     order += sorted((n for n in workers if n.startswith("expert")), key=lambda n: int(n[6:]))
@@ -255,8 +255,8 @@ def main() -> int:
 
     from afdserve.model.config import ModelConfig
     from afdserve.model.demo import demo_model_path
-    from afdserve.planner import load_model_spec, load_profile, predict_local, save_profile
-    from afdserve.planner.profiler import QUICK_GRID, DEFAULT_GRID, cpu_cores, run_profile, summary
+    from afdserve.planner import load_model_spec, load_profile, predict_local, profile_summary, save_profile
+    from afdserve.profiling import DEFAULT_GRID, QUICK_GRID, cpu_cores, run_profile
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -273,7 +273,7 @@ def main() -> int:
         args.profile_out.parent.mkdir(parents=True, exist_ok=True)
         save_profile(prof, args.profile_out)
         print(f"wrote {args.profile_out} ({time.perf_counter() - t0:.0f} s)")
-    print(summary(prof))
+    print(profile_summary(prof))
     spec = load_model_spec("demo")
     vocab = ModelConfig.from_pretrained(demo_model_path()).vocab_size
     cores = prof.runtime.cores if prof.runtime is not None else cpu_cores()

@@ -74,11 +74,11 @@ def main() -> int:
     ap.add_argument("--json", default="out/soak.json")
     args = ap.parse_args(argv)
 
-    from afdserve.serving.report import format_table
-    from afdserve.serving.soak import run_soak, scrape, stray_segments
+    from afdserve.bench.serve_report import format_table
+    from afdserve.bench.soak import run_soak, scrape, stray_segments
+    from afdserve.bench.workload import synthetic_requests, vocab_size
     from afdserve.engine.builder import resolve_model
     from afdserve.engine.tokenizer import load_tokenizer
-    from afdserve.serving.workload import synthetic_requests, vocab_size
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -6,9 +6,9 @@ import argparse
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from afdserve.balance import cli
 from afdserve.balance.metrics import ExpertLoadCollector
 from afdserve.balance.synthetic import synthetic_snapshot
+from afdserve.cli import expert_load as cli
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

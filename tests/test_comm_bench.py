@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from afdserve.comm.bench import add_parser, fmt_size, parse_size
+from afdserve.bench.m2n_report import fmt_size
+from afdserve.cli.bench_m2n import add_parser, parse_size
 
 
 def test_parse_size():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from afdserve.cli import demo_model as demo_cli
 from afdserve.model import demo
 from afdserve.model.demo import DEMO_CONFIG, DEMO_MODEL_VERSION, build_demo_model, demo_model_path
 
@@ -220,7 +221,7 @@ def test_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     monkeypatch.setattr(demo, "build_demo_model", lambda p, seed=0: seen.append((Path(p), seed)) or Path(p))
     (tmp_path / "out").mkdir()
     parser = argparse.ArgumentParser(prog="afdserve")
-    demo.add_parser(parser.add_subparsers(dest="command"))
+    demo_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo-model", str(tmp_path / "out"), "--seed", "3"])
     assert args.func(args) == 0
     assert seen == [(tmp_path / "out", 3)]

@@ -2,11 +2,10 @@
 
 import random
 
-import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
-from afdserve.engine.builder import build_colocated_engine
+from afdserve.engine.builder import build_colocated
 from afdserve.config import EngineConfig
 from afdserve.model.attention import AttnMetadata
 from tiny_models import hf_greedy
@@ -34,7 +33,7 @@ def test_prefill_logits_match_transformers(tiny_model):
 
     arch, path = tiny_model
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = build_colocated_engine(EngineConfig(model=str(path), num_kv_blocks=32))
+    eng = build_colocated(EngineConfig(model=str(path), num_kv_blocks=32)).engine
     for p in prompts((5, 21)):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
@@ -48,7 +47,7 @@ def test_prefill_logits_match_transformers(tiny_model):
 def test_bfloat16_runs_close_to_float32(tiny_mixtral):
     ps = prompts((4, 11))
     with LLM(str(tiny_mixtral), dtype="bfloat16", num_kv_blocks=32) as llm:
-        assert llm.engine.runner.model.embed.weight.dtype == torch.bfloat16
+        assert llm.engine.engine.runner.model.embed.weight.dtype == torch.bfloat16
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     ref = hf_greedy(tiny_mixtral, ps, 8)
     # bf16 rounding may flip a near-tie late in a sequence; the first tokens agree

@@ -1,4 +1,4 @@
-"""The ``afdserve plan`` command (called through ``afdserve.planner.cli.main``)."""
+"""The ``afdserve plan`` command (called through ``afdserve.cli.plan.main``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from afdserve.planner.cli import add_parser, main
-from afdserve.planner.profile import fit, save_profile
+from afdserve.cli.plan import add_parser, main
+from afdserve.planner import fit, save_profile
 
 
 def test_homogeneous_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,7 +114,7 @@ def test_python_dash_m(tmp_path: Path) -> None:
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(
-        [sys.executable, "-m", "afdserve.planner", "plan", "--list-models"],
+        [sys.executable, "-m", "afdserve.cli.main", "plan", "--list-models"],
         capture_output=True,
         text=True,
         env=env,

@@ -7,10 +7,9 @@ import math
 import pytest
 
 from afdserve.planner import perf_model as pm
+from afdserve.planner import PRESETS, AttentionCost, ExpertCost, NetworkProfile, Profile, WireFormat
 from afdserve.planner.local import predict_iteration_time, predict_local, tokens_per_expert_worker
-from afdserve.planner.profile import AttentionCost, ExpertCost, NetworkProfile, Profile, WireFormat
 from afdserve.planner.simulator import SimConfig, simulate
-from afdserve.planner.spec import PRESETS
 
 DEMO = PRESETS["demo"]
 
@@ -57,10 +56,10 @@ def test_step_overhead_and_meta_bytes() -> None:
 def test_uneven_micro_batches_are_simulated() -> None:
     prof = _profile()
     got = predict_local(prof, 1, 2, 3, 10, 200, DEMO)
-    assert got.micro_batch_sizes == (4, 3, 3)
+    assert got.micro_batch_sizes == (3, 4, 3)  # the runtime's split (afdserve.config.micro_batch_sizes)
     att, exp = prof.attention[0], prof.expert[0]
-    ta = [att.time(b, 200) for b in (4, 3, 3)]
-    te = [exp.time(pm.expert_micro_batch(b, 1, 2, 2)) for b in (4, 3, 3)]
+    ta = [att.time(b, 200) for b in (3, 4, 3)]
+    te = [exp.time(pm.expert_micro_batch(b, 1, 2, 2)) for b in (3, 4, 3)]
     sim = simulate(SimConfig(1, 2, 3, DEMO.num_layers, ta, te, got.tc_a2e_s, tc_back=got.tc_e2a_s))
     assert got.iteration_s == pytest.approx(sim.iteration_time)
     # fewer sequences than micro-batches: empty micro-batches are dropped
@@ -93,8 +92,9 @@ def test_errors() -> None:
 
 
 # ----- the simulated runtime (profiles measured by afdserve profile carry runtime costs) ----------
-from afdserve.planner.local import RuntimeSim, micro_batch_sizes, simulate_runtime  # noqa: E402
-from afdserve.planner.profile import RuntimeCosts  # noqa: E402
+from afdserve.config import micro_batch_sizes  # noqa: E402
+from afdserve.planner import RuntimeCosts  # noqa: E402
+from afdserve.planner.runtime_sim import RuntimeSim, simulate_runtime  # noqa: E402
 
 
 def _sim(**kw) -> RuntimeSim:  # type: ignore[no-untyped-def]
@@ -145,7 +145,7 @@ def test_runtime_sim_shares_cores() -> None:
 def test_predict_local_runtime_method() -> None:
     prof = _profile(runtime=RuntimeCosts(cores=2, send_s=1e-5, take_s=2e-5), step_fixed_s=1e-3)
     p = predict_local(prof, 2, 2, 3, 10, 200, DEMO)
-    assert p.method == "runtime" and p.micro_batch_sizes == micro_batch_sizes(10, 3) == (3, 4, 3)
+    assert p.method == "runtime" and p.micro_batch_sizes == tuple(micro_batch_sizes(10, 3)) == (3, 4, 3)
     assert len(p.busy) == 4 and p.iteration_s > p.pipeline_s
     assert predict_local(prof, 2, 2, 3, 10, 200, DEMO, method="analytic").method == "analytic"
     with pytest.raises(ValueError, match="runtime"):
@@ -170,7 +170,7 @@ def test_runtime_sim_pinning_and_corun() -> None:
 
 
 def test_lm_head_interpolation_and_roundtrip(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from afdserve.planner.profile import load_profile, save_profile
+    from afdserve.planner import load_profile, save_profile
 
     rt = RuntimeCosts(cores=2, lm_head_s=1e-3, lm_head_per_token_s=1e-4,
                       lm_head_points=((1, 2e-3), (16, 5e-3), (64, 9e-3)), corun_attention=1.1)

@@ -9,8 +9,7 @@ import pytest
 from afdserve.planner import perf_model as pm
 from afdserve.planner import roofline
 from afdserve.planner.catalog import BUILTIN_GPUS
-from afdserve.planner.profile import UtilCurve
-from afdserve.planner.spec import PRESETS
+from afdserve.planner import PRESETS, UtilCurve
 
 MIXTRAL = PRESETS["mixtral-8x22b"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from afdserve.errors import ConfigError
-from afdserve.planner.profile import (
+from afdserve.planner import (
     AttentionCost,
     ExpertCost,
     NetworkProfile,

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from afdserve.planner.local import predict_local
-from afdserve.planner.profile import load_profile
-from afdserve.planner.profiler import CacheFlusher, ProfileGrid, main, measure_attention, run_profile, summary
-from afdserve.planner.spec import load_model_spec
+from afdserve.cli.profile import main
+from afdserve.planner import load_model_spec, load_profile, predict_local, profile_summary
+from afdserve.profiling import CacheFlusher, ProfileGrid, measure_attention, measure_corun, run_profile
 
 from tiny_models import make_checkpoint
 
@@ -49,7 +48,7 @@ def test_profile_of_tiny_model(tiny: Path, tmp_path: Path) -> None:
     for method in ("runtime", "analytic"):
         p = predict_local(prof, 1, 2, 2, 4, 20, spec, method=method)
         assert p.iteration_s > p.pipeline_s > 0 and p.method == method
-    assert "k1_tok" in summary(prof)
+    assert "k1_tok" in profile_summary(prof)
 
 
 def test_cli_writes_profile(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,7 +79,5 @@ def test_attention_rows_and_cache_eviction(tiny: Path) -> None:
 
 
 def test_corun_factors(tiny: Path) -> None:
-    from afdserve.planner.profiler import measure_corun
-
     fa, fe = measure_corun(tiny, 2, CacheFlusher(enabled=False))
     assert fa >= 1.0 and fe >= 1.0

@@ -9,9 +9,20 @@ import pytest
 from afdserve.errors import ConfigError
 from afdserve.planner import perf_model as pm
 from afdserve.planner.catalog import BUILTIN_GPUS, load_catalog
-from afdserve.planner.profile import AttentionCost, ExpertCost, NetworkProfile, Profile
-from afdserve.planner.search import CostSource, SearchConfig, _evaluators, compare_hetero, evaluate, search, sweep
-from afdserve.planner.spec import PRESETS
+from afdserve.planner import (
+    PRESETS,
+    AttentionCost,
+    ExpertCost,
+    NetworkProfile,
+    Profile,
+    SearchConfig,
+    compare_hetero,
+    evaluate,
+    search,
+)
+from afdserve.planner.cost_source import CostSource
+from afdserve.planner.evaluator import evaluators
+from afdserve.planner.search import sweep
 
 A800, H20, L40S = BUILTIN_GPUS["A800"], BUILTIN_GPUS["H20"], BUILTIN_GPUS["L40S"]
 MIXTRAL, DBRX = PRESETS["mixtral-8x22b"], PRESETS["dbrx"]
@@ -66,7 +77,7 @@ def test_closed_form_batch_limit_equals_binary_search() -> None:
     checked = 0
     for spec in (MIXTRAL, PRESETS["qwen3-235b-a22b"], PRESETS["demo"]):
         costs = CostSource(spec, cfg)
-        for ev in _evaluators(spec, H20, L40S, cfg, costs):
+        for ev in evaluators(spec, H20, L40S, cfg, costs):
             for m in (1, 2, 3, 4):
                 for n_a in ev.n_a_candidates(m)[::3]:
                     assert ev.max_b_a(n_a, m) == ev.max_b_a(n_a, m, bisect=True)
@@ -77,7 +88,7 @@ def test_closed_form_batch_limit_equals_binary_search() -> None:
 def test_na_candidates_include_balance_rule() -> None:
     cfg = SearchConfig()
     costs = CostSource(DBRX, cfg)
-    ev = next(iter(_evaluators(DBRX, A800, A800, cfg, costs)))
+    ev = next(iter(evaluators(DBRX, A800, A800, cfg, costs)))
     n_star = pm.balance_n_a(ev.k1, ev.exp.k3, ev.n_e, DBRX.top_k)
     cands = ev.n_a_candidates(3)
     assert max(1, math.floor(n_star)) in cands and math.ceil(n_star) in cands

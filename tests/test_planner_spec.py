@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from afdserve.errors import ModelError
-from afdserve.planner.spec import PRESETS, ModelSpec, from_hf_config, load_model_spec
+from afdserve.planner import PRESETS, ModelSpec, from_hf_config, load_model_spec
 
 
 @pytest.mark.parametrize(

@@ -119,10 +119,10 @@ def test_placement_transports_outputs_death_and_cleanup(ray_cluster, tiny_mixtra
         assert [o.outputs[0].token_ids for o in outs] == local_reference
 
         # M2N transport per pair: shared memory within a Ray node, TCP across nodes
-        stats = front.collect("stats")
+        stats = front.worker_stats()
         seen = set()
         for name, st in stats.items():
-            for peer, transport in st["transports"].items():
+            for peer, transport in st.transports.items():
                 same = placed[name]["node_id"] == placed[peer]["node_id"]
                 assert transport == ("shm" if same else "tcp"), (name, peer, transport)
                 seen.add(transport)

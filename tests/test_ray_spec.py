@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from afdserve.cluster import resolve_deployment
 from afdserve.cluster.placement import Demand, Node, why_unplaceable
 from afdserve.cluster.spec import DeploymentSpec, RoleSpec, from_plan, load_deployment
 from afdserve.comm import CommConfig, Communicator
@@ -93,7 +94,7 @@ def test_missing_spec_file():
 def test_engine_config_takes_the_spec(tmp_path):
     p = tmp_path / "d.toml"
     p.write_text(SPEC)
-    cfg = EngineConfig(deployment=str(p), attention_workers=7, expert_workers=1, micro_batches=1)
+    cfg = resolve_deployment(EngineConfig(deployment=str(p), attention_workers=7, expert_workers=1, micro_batches=1))
     assert (cfg.attention_workers, cfg.expert_workers, cfg.micro_batches, cfg.gate, cfg.expert_split) == \
         (2, 3, 2, "expert", [1, 2, 3])
     spec = load_deployment(p)
@@ -145,7 +146,7 @@ def test_ray_is_not_imported_by_the_rest():
     """Ray stays optional: the package, the runtime and the spec code load without it."""
     import subprocess
 
-    code = ("import sys, afdserve, afdserve.runtime.cluster, afdserve.cluster, afdserve.cluster.spec, "
+    code = ("import sys, afdserve, afdserve.runtime, afdserve.cluster, afdserve.cluster.spec, "
             "afdserve.cluster.placement, afdserve.cli.main; afdserve.cli.main.build_parser(); "
             "print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -153,8 +154,8 @@ def test_ray_is_not_imported_by_the_rest():
 
 
 def test_plan_writes_a_deployment_the_server_reads(tmp_path):
-    from afdserve.planner.cli import main as plan_main
-    from afdserve.planner.spec import load_model_spec
+    from afdserve.cli.plan import main as plan_main
+    from afdserve.planner import load_model_spec
 
     out = tmp_path / "plan.toml"
     js = tmp_path / "plans.json"
@@ -169,7 +170,7 @@ def test_plan_writes_a_deployment_the_server_reads(tmp_path):
     E = load_model_spec("mixtral-8x22b").num_experts
     if best["n_e"] * best["experts_per_node"] == E:
         assert s.expert_split == [best["experts_per_node"]] * best["n_e"]
-    cfg = EngineConfig(deployment=str(out))
+    cfg = resolve_deployment(EngineConfig(deployment=str(out)))
     assert (cfg.attention_workers, cfg.expert_workers) == (best["n_a"], best["n_e"])
 
 

@@ -22,7 +22,7 @@ def _run(llm, ps, replan=None):
         eng.add_request({"prompt_token_ids": p}, GREEDY, request_id=str(i))
     done, steps = {}, 0
     while len(done) < len(ps):
-        for out in eng.step():
+        for out in eng.get_outputs(timeout=1.0):
             assert out.error is None, out.error
             if out.finished:
                 done[int(out.request_id)] = out.outputs[0].token_ids
@@ -42,10 +42,10 @@ def test_replan_mid_run_keeps_outputs(tiny_mixtral, gate):
     layer = LayerPlacement(6, ((0, 1, 2, 3), (0, 1, 4, 5)))
     new = Placement(tuple(layer for _ in range(2)))
     with LLM(str(tiny_mixtral), **kw) as llm:
-        got = _run(llm, ps, replan=lambda eng: eng.rebalance(new))
+        got = _run(llm, ps, replan=lambda eng: eng.rebalance(placement=new))
         assert llm.engine.expert_map.placement == new
-        held = llm.engine.collect("stats")
-        assert held["expert0"]["experts"][0] == [0, 1, 2, 3] and held["expert1"]["experts"][0] == [0, 1, 4, 5]
+        held = llm.engine.worker_stats()
+        assert held["expert0"].experts[0] == [0, 1, 2, 3] and held["expert1"].experts[0] == [0, 1, 4, 5]
         load = llm.engine.expert_load()
         assert load is not None and int(load.tokens.sum()) > 0
         # planned from the recorded load, then served again

@@ -4,7 +4,7 @@ import random
 
 from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
-from afdserve.engine.builder import build_colocated_engine
+from afdserve.engine.builder import build_colocated
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -22,13 +22,13 @@ def _alone(path, ps, params=GREEDY):
 def test_requests_joining_at_different_steps(tiny_mixtral):
     ps = _prompts(6)
     ref = _alone(tiny_mixtral, ps)
-    eng = build_colocated_engine(EngineConfig(model=str(tiny_mixtral), num_kv_blocks=64, max_num_batched_tokens=32))
+    eng = build_colocated(EngineConfig(model=str(tiny_mixtral), num_kv_blocks=64, max_num_batched_tokens=32))
     got, pending, step = {}, list(enumerate(ps)), 0
     while pending or eng.has_unfinished():
         if pending and step % 3 == 0:  # a new request every third step, while others decode
             i, p = pending.pop(0)
             eng.add_request({"prompt_token_ids": p}, GREEDY, request_id=str(i))
-        for out in eng.step():
+        for out in eng.get_outputs():
             if out.finished:
                 got[int(out.request_id)] = out.outputs[0].token_ids
         step += 1
@@ -41,17 +41,17 @@ def test_more_requests_than_the_kv_cache_holds(tiny_mixtral):
     # 12 blocks of 16 tokens: a few sequences at a time; the rest wait or get preempted
     llm = LLM(str(tiny_mixtral), num_kv_blocks=12, block_size=16, max_model_len=128)
     preempted = []
-    orig = llm.engine.scheduler._preempt
+    orig = llm.engine.engine.scheduler._preempt
 
     def spy(seq, batch):
         preempted.append(seq.request_id)
         orig(seq, batch)
 
-    llm.engine.scheduler._preempt = spy
+    llm.engine.engine.scheduler._preempt = spy
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert preempted, "the test should exercise preemption"
-    assert llm.engine.blocks.num_free == 12
+    assert llm.engine.engine.blocks.num_free == 12
     llm.shutdown()
 
 

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from afdserve import LLM, SamplingParams
+from afdserve.bench.soak import kv_usage, scrape
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
-from afdserve.serving.soak import kv_usage, scrape
 
 MODEL = "tiny"
 

@@ -7,20 +7,19 @@ import random
 import pytest
 import torch
 
+from afdserve.bench.loadgen import RequestResult
+from afdserve.bench.serve_report import format_table, summarize
+from afdserve.bench.sharegpt import count_records, iter_json_array, load_conversations
+from afdserve.bench.workload import sharegpt_requests, synthetic_requests
 from afdserve.cli.main import main as afdserve
-from afdserve.config import EngineConfig
+from afdserve.config import EngineConfig, micro_batch_sizes
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.errors import RequestError
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.demo import MIXTRAL_CHAT_TEMPLATE
 from afdserve.runtime.microbatch import split
 from afdserve.serving.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from afdserve.serving.engine_stats import micro_batch_sizes
-from afdserve.serving.loadgen import RequestResult
-from afdserve.serving.report import format_table, summarize
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
-from afdserve.serving.sharegpt import count_records, iter_json_array, load_conversations
-from afdserve.serving.workload import sharegpt_requests, synthetic_requests
 
 
 def test_json_array_reader_keeps_complete_elements(tmp_path):

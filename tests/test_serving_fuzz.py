@@ -7,9 +7,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+from afdserve.bench.soak import scrape
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
-from afdserve.serving.soak import scrape
 
 EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 150}
 CALL_TIMEOUT_S = 20

@@ -8,8 +8,6 @@ import textwrap
 import threading
 import time
 
-import pytest
-
 from afdserve import LLM, SamplingParams
 from afdserve.errors import WorkerError
 

@@ -7,6 +7,16 @@ from dataclasses import dataclass, fields
 from afdserve.errors import ConfigError
 
 
+def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:
+    """How a step of ``tokens`` tokens is cut into micro-batches: ``micro_batches`` (at most one per
+    token) of about equal token counts. The one rule the pipeline, the stats and the planner share."""
+    if tokens <= 0:
+        return []
+    m = max(1, min(micro_batches, tokens))
+    bounds = [round(tokens * i / m) for i in range(m + 1)]
+    return [bounds[i + 1] - bounds[i] for i in range(m)]
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model folder; None = the built-in demo model
@@ -36,14 +46,9 @@ class EngineConfig:
     cluster: str = "local"
     ray_address: str | None = None  # cluster="ray": ray.init address (None: RAY_ADDRESS, a local cluster, or a new one)
     deployment: str | None = None  # deployment spec file (TOML, afdserve.cluster.spec); its values override these
+    # when the deployment is built (afdserve.cluster.resolve_deployment)
 
     def __post_init__(self) -> None:
-        if self.deployment is not None:  # the spec file sets workers, micro-batches, gate, expert split, threads
-            from afdserve.cluster.spec import load_deployment
-
-            for name, value in load_deployment(self.deployment).engine_overrides().items():
-                setattr(self, name, value)
-
         def check(name: str, ok: bool, why: str) -> None:
             if not ok:
                 raise ConfigError(f"invalid {name}={getattr(self, name)!r}: {why}")
@@ -72,14 +77,19 @@ class EngineConfig:
         check("ray_address", not str(self.ray_address).startswith("ray://"),
               "Ray Client is not supported (workers connect back to the front end): give the cluster's GCS "
               "address (HEAD_IP:6379) and run on a machine the nodes can reach")
-        if self.cluster == "ray":
-            check("expert_workers", self.expert_workers >= 1,
-                  "cluster='ray' runs attention and expert workers as Ray actors: needs expert_workers >= 1")
-        elif self.ray_address is not None:
+        if self.cluster != "ray" and self.ray_address is not None:
             check("ray_address", False, "only meaningful with cluster='ray'")
         check("expert_split", self.expert_split is None or (len(self.expert_split) == self.expert_workers
               and all(is_int(n) and n >= 1 for n in self.expert_split)),
               "one count >= 1 per expert worker")
+
+        if self.deployment is None:  # else the spec file sets the workers (afdserve.cluster.resolve_deployment)
+            self.check_workers()
+
+    def check_workers(self) -> None:
+        if self.cluster == "ray" and self.expert_workers < 1:
+            raise ConfigError(f"invalid expert_workers={self.expert_workers}: cluster='ray' runs attention and "
+                              "expert workers as Ray actors: needs expert_workers >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -1,37 +1,35 @@
 """Attention balance: requests go to the attention worker whose predicted step time stays lowest.
 
-A decode step of an attention worker costs about ``sum over its requests of (k1_tok + k1_ctx * len)``
-(the planner's attention model, with each request's current sequence length), so a worker with a
-few long requests can be as loaded as one with many short ones. Request counts would miss that.
+A decode step of an attention worker costs about the sum over its requests of ``cost(length)``,
+each at its current sequence length -- the planner's attention model ``k1(s) = k1_tok + k1_ctx * s``
+(``afdserve.planner.attention_request_cost`` reads it from a profile) -- so a worker with a few
+long requests can be as loaded as one with many short ones. Request counts would miss that.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+def unprofiled_request_cost(length: float) -> float:
+    """Without a profile: a token of context costs 1/256 of the token's own work."""
+    return 1.0 + length / 256
 
 
 @dataclass
 class AttentionBalancer:
     workers: list[str]
-    k1_tok: float = 1.0  # cost of a token regardless of its context
-    k1_ctx: float = 1.0 / 256  # cost per token of context (units of k1_tok without a profile)
+    cost: Callable[[float], float] = unprofiled_request_cost  # what a request of that length adds to a step
     lengths: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for w in self.workers:
             self.lengths.setdefault(w, {})
 
-    @classmethod
-    def from_profile(cls, workers: list[str], path: str) -> "AttentionBalancer":
-        from afdserve.planner.profile import load_profile
-
-        att = load_profile(path).attention
-        cost = att[0] if isinstance(att, (list, tuple)) else att
-        return cls(workers, cost.k1_tok, cost.k1_ctx)
-
     def predicted(self, worker: str, extra_len: int | None = None) -> float:
         lens = list(self.lengths[worker].values()) + ([extra_len] if extra_len is not None else [])
-        return sum(self.k1_tok + self.k1_ctx * n for n in lens)
+        return sum(self.cost(n) for n in lens)
 
     def pick(self, prompt_len: int, max_tokens: int) -> str:
         """The worker with the lowest predicted step time once it also runs this request (counted

@@ -5,19 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"m2n": "afdserve.comm.bench", "serve": "afdserve.serving.bench"}
+BENCHES = {"m2n": "afdserve.cli.bench_m2n", "serve": "afdserve.cli.bench_serve"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark", description="Benchmarks: " + ", ".join(BENCHES))
     inner = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, module in BENCHES.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("afdserve"):
-                continue
-            raise
+    for module in BENCHES.values():
+        mod = importlib.import_module(module)
         q = mod.add_parser(inner)
         q.set_defaults(bench_func=mod.main)
     return p

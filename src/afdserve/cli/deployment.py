@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from afdserve.cluster import resolve_deployment
 from afdserve.config import EngineConfig
 
 
@@ -47,4 +48,4 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)
-    return EngineConfig.from_kwargs(**kw)
+    return resolve_deployment(EngineConfig.from_kwargs(**kw))

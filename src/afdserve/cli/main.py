@@ -1,4 +1,5 @@
-"""The ``afdserve`` command: one subcommand per task, each defined next to the code it drives."""
+"""The ``afdserve`` command: one subcommand per task, each a module of ``afdserve.cli`` (the only
+package that parses arguments)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from afdserve.errors import AfdServeError
 # subcommand -> module exposing add_parser(subparsers) and main(args)
 COMMANDS = {
     "generate": "afdserve.cli.generate",
-    "demo-model": "afdserve.model.demo",
-    "serve": "afdserve.serving.cli",
+    "demo-model": "afdserve.cli.demo_model",
+    "serve": "afdserve.cli.serve",
     "bench": "afdserve.cli.bench",
-    "plan": "afdserve.planner.cli",
-    "profile": "afdserve.planner.profiler",
-    "trace-plot": "afdserve.runtime.trace_plot",
-    "expert-load": "afdserve.balance.cli",
-    "rebalance": "afdserve.serving.rebalance_cli",
+    "plan": "afdserve.cli.plan",
+    "profile": "afdserve.cli.profile",
+    "trace-plot": "afdserve.cli.trace_plot",
+    "expert-load": "afdserve.cli.expert_load",
+    "rebalance": "afdserve.cli.rebalance",
 }
 
 
@@ -26,15 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="afdserve", description="Serve Mixture-of-Experts LLMs with "
                                      "disaggregated expert parallelism (attention and experts on separate workers).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and e.name.startswith("afdserve"):
-                continue  # a subsystem not built yet
-            raise
-        if not hasattr(mod, "add_parser"):
-            continue
+    for module in COMMANDS.values():
+        mod = importlib.import_module(module)
         p = mod.add_parser(sub)
         p.set_defaults(func=mod.main)
     return parser

@@ -1,7 +1,7 @@
 """Attention and expert workers as Ray actors, placed on node groups by a deployment spec.
 
-``LocalCluster(cfg, launch=RayLauncher(cfg, spec))`` runs the very same worker classes
-(``afdserve.runtime.workers.run_worker``) inside Ray actors instead of local processes:
+``ClusterClient(cfg, launch=RayLauncher(cfg, spec))`` runs the very same worker classes
+(``afdserve.runtime.worker.run_worker``) inside Ray actors instead of local processes:
 
 * one placement group per deployment, one bundle per worker: ``{"CPU": num_cpus, **resources}`` of
   the worker's role (e.g. ``{"expert_node": 0.001}``) and, optionally, node labels; a spec that can
@@ -22,7 +22,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import ray
@@ -32,14 +32,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from afdserve.cluster.placement import Demand, Node, why_unplaceable
 from afdserve.cluster.spec import ROLES, DeploymentSpec
 from afdserve.errors import WorkerError
-from afdserve.runtime.launcher import ControlLink
+from afdserve.cluster.process_launcher import ControlLink
+from afdserve.runtime.control import ControlChannel
 
 
 class WorkerActor:
     """Hosts one attention or expert worker (``ray.remote`` is applied by the launcher)."""
 
     def __init__(self) -> None:
-        import afdserve.runtime.workers  # noqa: F401  (torch and the model code load while the others start)
+        import afdserve.runtime.worker  # noqa: F401  (torch and the model code load while the others start)
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -48,13 +49,13 @@ class WorkerActor:
 
     def run(self, spec: Any, address: tuple[str, int], authkey: bytes) -> None:
         """Serves the worker until the front end says stop (or its connection closes)."""
-        from afdserve.runtime.workers import run_worker
+        from afdserve.runtime.worker import run_worker
 
-        conn = Client(tuple(address), authkey=authkey)
+        ctl = ControlChannel(Client(tuple(address), authkey=authkey))
         try:
-            run_worker(spec, conn)
+            run_worker(spec, ctl)
         finally:
-            conn.close()
+            ctl.close()
 
 
 @dataclass
@@ -64,17 +65,13 @@ class RayLaunched(ControlLink):
     name: str
     actor: Any
     ref: Any  # the ObjectRef of the actor's ``run`` call: done when the worker returns or dies
-    conn: Connection
+    ctl: ControlChannel
     pid: int
     node_id: str
     node_ip: str
     hostname: str
     dead: bool = False
     remote = True  # front-end messages say where it ran
-
-    @property
-    def sentinel(self) -> Connection:
-        return self.conn
 
     def describe(self) -> str:
         return f"pid {self.pid} on node {self.node_ip} ({self.hostname}, Ray node {self.node_id[:12]})"
@@ -100,18 +97,18 @@ class RayLaunched(ControlLink):
         ray.wait([self.ref], timeout=timeout)
 
     def join(self, timeout: float) -> None:
-        """The front end has sent ("stop",): wait for the worker to return, then kill the actor."""
+        """The front end has sent ``Shutdown``: wait for the worker to return, then kill the actor."""
         try:
             ray.wait([self.ref], timeout=timeout)
             ray.kill(self.actor, no_restart=True)
             ray.wait([self.ref], timeout=5.0)
         except Exception:  # Ray already shut down: its actors are gone with it
             pass
-        self.conn.close()
+        self.ctl.close()
 
 
 class RayLauncher:
-    """``launch(spec) -> RayLaunched`` for ``LocalCluster``, plus ``prepare`` (reserve the placement
+    """``launch(spec) -> RayLaunched`` for ``ClusterClient``, plus ``prepare`` (reserve the placement
     group and start every actor at once) and ``close`` (release everything)."""
 
     remote = True
@@ -128,7 +125,7 @@ class RayLauncher:
                 raise WorkerError(f"cannot connect to Ray at {address or cfg.ray_address or 'a local cluster'}: "
                                   f"{type(e).__name__}: {e}") from e
         self.store_host = host or os.environ.get("AFD_FRONTEND_HOST") or ray.util.get_node_ip_address()
-        self.pgs: list[Any] = []  # one per prepare() (LocalCluster prepares the whole deployment once)
+        self.pgs: list[Any] = []  # one per prepare() (ClusterClient prepares the whole deployment once)
         self.actors: dict[str, tuple[Any, dict]] = {}  # worker name -> (actor handle, info)
         self._key = secrets.token_bytes(16)
         self._closed = False
@@ -230,7 +227,8 @@ class RayLauncher:
                 if time.monotonic() > deadline:
                     raise WorkerError(f"{where} did not connect back to the front end at {listener.address} "
                                       f"within {self.cfg.startup_timeout_s:g} s")
-        return RayLaunched(spec.name, actor, ref, conn, info["pid"], info["node_id"], info["ip"], info["hostname"])
+        return RayLaunched(spec.name, actor, ref, ControlChannel(conn), info["pid"], info["node_id"], info["ip"],
+                           info["hostname"])
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,16 +1,20 @@
-"""Builds an engine from an ``EngineConfig``: model, tokenizer, KV cache, scheduler, runner."""
+"""Builds the pieces of an engine from an ``EngineConfig``: the attention side (model, KV cache,
+blocks, scheduler limits) that the colocated engine and every attention worker share, and the
+colocated client. The runner is chosen by the caller and passed in; it is never swapped later."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from afdserve.config import EngineConfig
+from afdserve.engine.colocated import ColocatedClient
 from afdserve.engine.engine import Engine
-from afdserve.engine.runner import MoEFn, ModelRunner, local_experts
+from afdserve.engine.runner import LocalExperts, ModelRunner, Runner
 from afdserve.engine.scheduler import SchedulerConfig
-from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.engine.tokenizer import TokenizerInfo, load_tokenizer
 from afdserve.errors import ConfigError, ModelError
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.cache import KVCache
@@ -39,7 +43,8 @@ def context_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
 
 
 def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
-    per_block = KVCache.bytes_per_block(model_cfg, cfg.block_size, parse_dtype(cfg.dtype))
+    per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                                        cfg.block_size, parse_dtype(cfg.dtype))
     n = cfg.num_kv_blocks or int(cfg.kv_cache_gb * 2**30 // per_block)
     need = -(-max_len // cfg.block_size)
     if n < need:
@@ -51,37 +56,47 @@ def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
     return n
 
 
-def build_attention_engine(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
-                           moe: MoEFn | None = None, reader: CheckpointReader | None = None) -> Engine:
-    """An engine over this process's attention model; ``moe`` runs the routed experts
-    (None: load every expert here, the colocated deployment)."""
+def front_end_tokenizer(cfg: EngineConfig, path: Path, model_cfg: ModelConfig) -> TokenizerInfo:
+    return load_tokenizer(Path(cfg.tokenizer) if cfg.tokenizer else path, model_cfg.eos_token_ids)
+
+
+@dataclass
+class AttentionSide:
+    """What an engine over attention holds: the attention model (embeddings, attention parts,
+    routers, LM head), the paged KV cache and its block manager."""
+
+    model: AttentionModel
+    kv: KVCache
+    blocks: BlockManager
+    max_model_len: int
+
+
+def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
+                        reader: CheckpointReader) -> AttentionSide:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    reader = reader or CheckpointReader(path)
     dtype = parse_dtype(cfg.dtype)
     model = AttentionModel.load(path, dtype, model_cfg, reader)
-    if moe is None:
-        moe = local_experts(ExpertModel.load(path, None, dtype, model_cfg, reader))
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
-    kv = KVCache(model_cfg, n_blocks, cfg.block_size, dtype)
-    tok = load_tokenizer(Path(cfg.tokenizer) if cfg.tokenizer else path, model_cfg.eos_token_ids)
+    kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype)
+    return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size), max_len)
+
+
+def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_token_ids: set[int]) -> Engine:
+    """The engine core over ``side``, running batches through ``runner``."""
     sched = SchedulerConfig(cfg.max_num_seqs, max(cfg.max_num_batched_tokens, 1))
-    return Engine(ModelRunner(model, kv, moe), BlockManager(n_blocks, cfg.block_size), tok, sched, max_len,
-                  tok.eos_token_ids)
+    return Engine(runner, side.blocks, sched, side.max_model_len, eos_token_ids)
 
 
-def build_colocated_engine(cfg: EngineConfig) -> Engine:
+def build_colocated(cfg: EngineConfig) -> ColocatedClient:
+    """The colocated deployment: attention and every expert in this process."""
     path = resolve_model(cfg.model)
-    return build_attention_engine(cfg, path, ModelConfig.from_pretrained(path))
-
-
-def build_engine(cfg: EngineConfig):
-    """The deployment ``cfg`` describes: the colocated engine in this process (``expert_workers=0``
-    and one attention worker) or a cluster of worker processes (local, or Ray actors)."""
-    if cfg.expert_workers > 0 or cfg.attention_workers > 1:
-        from afdserve.runtime.cluster import LocalCluster
-
-        return LocalCluster(cfg)
-    return build_colocated_engine(cfg)
+    model_cfg = ModelConfig.from_pretrained(path)
+    reader = CheckpointReader(path)
+    side = load_attention_side(cfg, path, model_cfg, reader)
+    experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader), cfg.load_window)
+    tok = front_end_tokenizer(cfg, path, model_cfg)
+    engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids)
+    return ColocatedClient(cfg, engine, tok, experts)

@@ -6,6 +6,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from afdserve.balance.load import LoadTracker
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel, ExpertModel
@@ -22,19 +23,35 @@ class Runner(Protocol):
         ...
 
 
-def local_experts(experts: ExpertModel) -> MoEFn:
-    """The colocated deployment: every routed expert is in this process."""
-    return lambda layer, y, ids, w: experts.layers[layer](y, ids, w)
+class LocalExperts:
+    """The colocated deployment's MoE function: every routed expert is in this process. Counts the
+    tokens routed to each expert and records the routing in a ``LoadTracker`` (the recent window,
+    as the workers of a cluster do)."""
+
+    def __init__(self, experts: ExpertModel, load_window: int):
+        cfg = experts.cfg
+        self.experts = experts
+        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
+        self.tracker = LoadTracker(cfg.num_layers, cfg.num_experts, load_window)
+
+    def __call__(self, layer: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n = self.counts.shape[1]
+        self.counts[layer] += torch.bincount(ids.reshape(-1), minlength=n)[:n]
+        self.tracker.record(layer, ids)
+        return self.experts.layers[layer](y, ids, w)
 
 
 class ModelRunner:
-    def __init__(self, model: AttentionModel, kv: KVCache, moe: MoEFn):
+    def __init__(self, model: AttentionModel, kv: KVCache, moe: MoEFn, tracker: LoadTracker | None = None):
         self.model, self.kv, self.moe = model, kv, moe
+        self.tracker = tracker  # advanced once per step (the MoE function records into it)
         self.vocab_size = model.cfg.vocab_size
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
         m = self.model
+        if self.tracker is not None:
+            self.tracker.step()
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer
 from afdserve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -23,18 +22,15 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detok: IncrementalDetokenizer
     arrival: float = 0.0
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str = ""
+    stop_reason: int | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.model.config import ModelConfig
-
 
 class KVCache:
     """Keys and values of ``num_blocks`` blocks of ``block_size`` tokens, for every layer.
@@ -14,9 +12,10 @@ class KVCache:
     slot ``b * block_size + o`` holds offset ``o`` of block ``b``.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
 
@@ -27,6 +26,7 @@ class KVCache:
         return self.v[layer]
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem

@@ -25,7 +25,6 @@ machine builds byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.resources
 import json
@@ -44,8 +43,6 @@ __all__ = [
     "MIXTRAL_CHAT_TEMPLATE",
     "build_demo_model",
     "demo_model_path",
-    "add_parser",
-    "main",
 ]
 
 #: Bump whenever the bytes written by ``build_demo_model`` change (it names the cache directory).
@@ -399,25 +396,3 @@ def demo_model_path() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``afdserve demo-model PATH`` on an ``argparse`` subparsers object."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "demo-model",
-        help="write the built-in random-weight Mixtral-style demo checkpoint (HF format)",
-        description="Write the built-in demo model (random bf16 weights from a fixed seed, real "
-        "Mixtral v1 tokenizer) as a Hugging Face checkpoint into PATH.",
-    )
-    p.add_argument("path", metavar="PATH", help="output directory (created if missing)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0 = the embedded demo model)")
-    p.set_defaults(func=main)
-    return p
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``afdserve demo-model``."""
-    out = build_demo_model(args.path, seed=args.seed)
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"wrote demo model v{DEMO_MODEL_VERSION} (seed {args.seed}, {size / 2**20:.1f} MiB) to {out}")
-    return 0

@@ -99,7 +99,7 @@ class AttentionModel(nn.Module):
                 a.q_norm.weight.copy_(r.get(p + "self_attn.q_norm.weight", (hd,), dt))
                 a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
             moe = _moe_prefix(cfg, l, r)
-            m.routers[l].weight.copy_(r.get(moe + ".gate.weight", (cfg.num_experts, h), dt))
+            m.routers[l].weight.copy_(read_router(r, cfg, l, dt))
             if m.shared is not None:
                 s, i = m.shared[l], cfg.shared_expert_intermediate_size
                 s.w_gate_up.copy_(torch.cat([
@@ -162,6 +162,20 @@ def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reade
                 part.w_gate_up[j].copy_(gate_up)
                 part.w_down[j].copy_(down)
     return new
+
+
+def read_router(r: CheckpointReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """The router (gate) weight [E, H] of ``layer``: the one place router weights are read."""
+    return r.get(_moe_prefix(cfg, layer, r) + ".gate.weight", (cfg.num_experts, cfg.hidden_size), dtype)
+
+
+def load_routers(r: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> list[Router]:
+    """Every layer's router, for a worker that routes without holding the attention half (JANUS's
+    expert-side gate)."""
+    routers = [Router(cfg, dtype) for _ in range(cfg.num_layers)]
+    for layer, router in enumerate(routers):
+        router.weight.copy_(read_router(r, cfg, layer, dtype))
+    return routers
 
 
 def read_expert(r: CheckpointReader, cfg: ModelConfig, layer: int, expert: int,

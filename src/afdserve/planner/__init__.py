@@ -1,44 +1,49 @@
-"""afdserve.planner: performance model, hardware catalog, plan search and simulator for
+"""afdserve.planner: performance model, hardware catalog, plan search and simulators for
 disaggregated expert parallelism (MegaScale-Infer §4.1-4.3).  See docs/planner.md.
 
-Public API::
+A library of small public functions; it measures nothing (``afdserve.profiling`` does) and runs no
+part of the runtime.  Public API::
 
     from afdserve.planner import (
-        ModelSpec, load_model_spec, PRESETS,               # models
-        GPUSpec, load_catalog,                             # hardware
-        Profile, fit, load_profile, save_profile,          # measured constants
-        SearchConfig, Plan, search, compare_hetero,        # Algorithm 1
-        SimConfig, simulate,                               # discrete-event pipeline simulator
-        predict_iteration_time,                            # local runtime prediction
+        ModelSpec, load_model_spec, from_model_config, PRESETS,  # models
+        GPUSpec, load_catalog,                                   # hardware
+        Profile, fit, load_profile, save_profile,                # measured constants
+        SearchConfig, Plan, search, compare_hetero,              # Algorithm 1
+        SimConfig, simulate,                                     # discrete-event pipeline simulator
+        predict_iteration_time,                                  # local runtime prediction
+        attention_request_cost,                                  # the attention balancer's cost
     )
 """
 
 from afdserve.planner.catalog import BUILTIN_GPUS, Catalog, GPUSpec, load_catalog
-from afdserve.planner.local import LocalPrediction, predict_iteration_time, predict_local
-from afdserve.planner.profile import (
-    AttentionCost,
-    ExpertCost,
-    NetworkProfile,
-    Profile,
-    UtilCurve,
-    WireFormat,
+from afdserve.planner.costs import AttentionCost, ExpertCost, NetworkProfile, RuntimeCosts, UtilCurve, WireFormat
+from afdserve.planner.fitting import (
+    TransportSamples,
     fit,
+    fit_affine,
     fit_attention,
     fit_expert,
     fit_network,
-    load_profile,
-    save_profile,
+    fit_runtime,
 )
+from afdserve.planner.local import LocalPrediction, predict_iteration_time, predict_local
+from afdserve.planner.plan import Plan
+from afdserve.planner.presets import PRESETS
+from afdserve.planner.profile import Profile, attention_request_cost, load_profile, save_profile
+from afdserve.planner.report import profile_summary
 from afdserve.planner.roofline import RooflineOptions
-from afdserve.planner.search import HeteroComparison, Plan, SearchConfig, SearchResult, compare_hetero, evaluate, search
+from afdserve.planner.search import HeteroComparison, SearchResult, compare_hetero, evaluate, search
+from afdserve.planner.search_config import SearchConfig
 from afdserve.planner.simulator import SimConfig, SimResult, simulate
-from afdserve.planner.spec import PRESETS, MLAConfig, ModelSpec, from_hf_config, load_model_spec
+from afdserve.planner.spec import MLAConfig, ModelSpec
+from afdserve.planner.spec_loader import from_hf_config, from_model_config, load_model_spec
 
 __all__ = [
     "ModelSpec",
     "MLAConfig",
     "PRESETS",
     "from_hf_config",
+    "from_model_config",
     "load_model_spec",
     "GPUSpec",
     "Catalog",
@@ -49,13 +54,19 @@ __all__ = [
     "UtilCurve",
     "NetworkProfile",
     "WireFormat",
+    "RuntimeCosts",
     "Profile",
+    "TransportSamples",
     "fit",
+    "fit_affine",
     "fit_attention",
     "fit_expert",
     "fit_network",
+    "fit_runtime",
     "load_profile",
     "save_profile",
+    "attention_request_cost",
+    "profile_summary",
     "RooflineOptions",
     "SearchConfig",
     "Plan",

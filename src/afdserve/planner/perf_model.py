@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from afdserve.planner.profile import UtilCurve
+from afdserve.planner.costs import UtilCurve
 from afdserve.planner.spec import ModelSpec
 
 __all__ = [

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from afdserve.planner.catalog import GPUSpec
 from afdserve.planner.profile import Profile
-from afdserve.planner.search import Plan, SearchConfig, sweep
+from afdserve.planner.plan import Plan
+from afdserve.planner.search import sweep
+from afdserve.planner.search_config import SearchConfig
 from afdserve.planner.spec import ModelSpec
 
 __all__ = ["plot_objective_vs_na"]

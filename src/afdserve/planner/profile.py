@@ -1,14 +1,7 @@
-"""Profiles: the measured constants of the performance model, their file format, and ``fit``.
-
-The planner models one micro-batch's compute as (MegaScale-Infer §4.2)
-
-* attention: ``Ta = k1 * b_a + k2`` with the KV-cache read making ``k1`` grow with the average
-  sequence length ``s``; we store ``k1(s) = k1_tok + k1_ctx * s``;
-* experts: ``Te = k3 * b_e + k4`` (``b_e`` = token-expert pairs an expert node receives);
-
-and the network with a bandwidth-utilisation curve ``Util(message bytes)`` (Eq. 6).  A
-:class:`Profile` holds those constants per GPU and TP size, as measured by the profiler (or written
-by hand).  :func:`fit` turns raw measurements into a profile by least squares.
+"""Profiles: the measured constants of the performance model (:mod:`afdserve.planner.costs`) for
+one model, per GPU and TP size, and their file format.  ``afdserve profile`` measures them
+(:mod:`afdserve.profiling`), :func:`afdserve.planner.fitting.fit` fits them from measurements, or
+they are written by hand.
 
 File format (JSON, ``"format": "afdserve-planner-profile"``, ``"version": 1``)::
 
@@ -36,35 +29,16 @@ empty ``gpu`` (or ``"*"``) matches any GPU.  ``samples`` is optional (kept for r
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
-
-import numpy as np
+from typing import Any
 
 from afdserve.errors import ConfigError
+from afdserve.planner.costs import AttentionCost, ExpertCost, NetworkProfile, RuntimeCosts, WireFormat
 
-__all__ = [
-    "AttentionCost",
-    "ExpertCost",
-    "UtilCurve",
-    "NetworkProfile",
-    "WireFormat",
-    "RuntimeCosts",
-    "Profile",
-    "fit_attention",
-    "fit_expert",
-    "fit_network",
-    "fit_affine",
-    "fit",
-    "load_profile",
-    "save_profile",
-    "PROFILE_FORMAT",
-]
+__all__ = ["Profile", "load_profile", "save_profile", "attention_request_cost", "PROFILE_FORMAT"]
 
 PROFILE_FORMAT = "afdserve-planner-profile"
 PROFILE_VERSION = 1
@@ -72,169 +46,6 @@ PROFILE_VERSION = 1
 
 def _gpu_matches(entry_gpu: str, gpu: str) -> bool:
     return entry_gpu in ("", "*") or entry_gpu.strip().lower() == gpu.strip().lower()
-
-
-@dataclass(frozen=True)
-class AttentionCost:
-    """``Ta = (k1_tok + k1_ctx * s) * b_a + k2`` seconds for one micro-batch of ``b_a`` tokens."""
-
-    k1_tok: float
-    k1_ctx: float
-    k2: float
-    tp: int = 1
-    gpu: str = ""
-    n_samples: int = 0
-    rmse_s: float | None = None
-    seq_len_range: tuple[int, int] | None = None
-
-    def k1(self, seq_len: float) -> float:
-        return self.k1_tok + self.k1_ctx * seq_len
-
-    def time(self, b_a: float, seq_len: float) -> float:
-        return self.k1(seq_len) * b_a + self.k2
-
-
-@dataclass(frozen=True)
-class ExpertCost:
-    """``Te = k3 * b_e + k4`` seconds for an expert node receiving ``b_e`` token-expert pairs."""
-
-    k3: float
-    k4: float
-    tp: int = 1
-    experts_per_node: int = 1
-    gpu: str = ""
-    n_samples: int = 0
-    rmse_s: float | None = None
-
-    def time(self, b_e: float) -> float:
-        return self.k3 * b_e + self.k4
-
-
-@dataclass(frozen=True)
-class UtilCurve:
-    """Bandwidth utilisation as a function of the per-peer message size (Eq. 6's ``Util``).
-
-    Parametric form ``Util(s) = peak * s / (s + half_bytes)``; this is exactly what a link with a
-    fixed per-message latency ``a`` and asymptotic bandwidth ``beta`` delivers, relative to a nominal
-    bandwidth ``W``: ``peak = beta / W`` and ``half_bytes = a * beta``.  When ``points`` is given
-    (``(size, util)`` pairs), Util is interpolated linearly in log(size) instead, clamped at the ends.
-    The default is the ideal curve, Util = 1.
-    """
-
-    peak: float = 1.0
-    half_bytes: float = 0.0
-    points: tuple[tuple[float, float], ...] = ()
-
-    def __call__(self, size_bytes: float) -> float:
-        if self.points:
-            xs = [math.log(max(p[0], 1.0)) for p in self.points]
-            ys = [p[1] for p in self.points]
-            return float(np.interp(math.log(max(size_bytes, 1.0)), xs, ys))
-        if size_bytes <= 0:
-            return self.peak if self.half_bytes == 0 else 0.0
-        return self.peak * size_bytes / (size_bytes + self.half_bytes)
-
-    @property
-    def is_ideal(self) -> bool:
-        return not self.points and self.peak == 1.0 and self.half_bytes == 0.0
-
-
-@dataclass(frozen=True)
-class NetworkProfile:
-    """A measured link: ``time(message) = latency_s + bytes / bandwidth_Bps`` per message.
-
-    ``nominal_Bps`` is the bandwidth the link is sold as (``W`` in Eq. 6); when unset the fitted
-    asymptotic bandwidth is used, so Util tends to 1 for large messages.
-    """
-
-    latency_s: float
-    bandwidth_Bps: float
-    nominal_Bps: float | None = None
-    points: tuple[tuple[float, float], ...] = ()  # optional tabulated (size, util)
-
-    @property
-    def nominal(self) -> float:
-        return self.nominal_Bps or self.bandwidth_Bps
-
-    def message_time(self, size_bytes: float) -> float:
-        return self.latency_s + size_bytes / self.bandwidth_Bps
-
-    def util_curve(self) -> UtilCurve:
-        return UtilCurve(
-            peak=self.bandwidth_Bps / self.nominal, half_bytes=self.latency_s * self.bandwidth_Bps, points=self.points
-        )
-
-
-@dataclass(frozen=True)
-class WireFormat:
-    """What the runtime puts on the wire between attention and expert workers.
-
-    ``dispatch``: ``"pairs"`` -- one copy of a token's hidden vector per selected expert (the paper's
-    accounting, Eq. 6); ``"routed"`` -- one copy per expert *worker* hosting at least one of the
-    token's experts; ``"broadcast"`` -- every token to every expert worker.  Replies carry one
-    hidden vector per token sent.  ``meta_bytes_per_token`` covers expert ids / weights.
-    """
-
-    act_bytes: float = 2.0
-    meta_bytes_per_token: float = 0.0
-    dispatch: Literal["pairs", "routed", "broadcast"] = "routed"
-
-    def __post_init__(self) -> None:
-        if self.dispatch not in ("pairs", "routed", "broadcast"):
-            raise ConfigError(f"wire.dispatch must be pairs|routed|broadcast, got {self.dispatch!r}")
-
-
-@dataclass(frozen=True)
-class RuntimeCosts:
-    """What this repository's runtime spends around the model's compute, per event (seconds).
-
-    Only the local model uses these (:func:`afdserve.planner.local.predict_local`); the planner's
-    search does not.  ``afdserve profile`` measures them with the real M2N library and pipeline:
-
-    * ``send_s + send_per_byte_s * bytes``: the sender's CPU time in ``Links.send`` (copy into the
-      receiver's registered slot, completion); ``ring_s`` more when the receiver sleeps in ``poll``
-      (the wake-up byte on the pair's socket);
-    * ``take_s``: the receiver's CPU time to take an arrived message (``recv``/``gather`` + release);
-    * ``wake_s``: how long a receiver that went to sleep (it waited longer than ``spin_s``, the
-      busy-poll time of ``CommConfig``) takes to run again after the message arrives;
-    * ``dispatch_per_worker_s``: the attention worker's extra bookkeeping per micro-batch and layer
-      for each expert worker beyond the first (the attention entry's ``k1``/``k2`` are measured
-      dispatching to one);
-    * ``lm_head_s + lm_head_per_token_s * b``: the LM head of a micro-batch of ``b`` sequences, which
-      the runtime runs per micro-batch as soon as its last layer is combined (the profile's ``step``
-      overhead then excludes it); interpolated between ``lm_head_points`` (measured ``(b, s)``)
-      where given, the affine fit outside them;
-    * ``corun_attention`` / ``corun_expert``: how much longer an attention / expert worker's work
-      takes while a worker of the other role computes on another core (they share the last-level
-      cache and the memory bandwidth), measured;
-    * ``cores``: CPU cores the worker processes share; with more runnable workers than cores they
-      time-share them (0: every worker has its own core or device).
-    """
-
-    cores: int = 0
-    send_s: float = 0.0
-    send_per_byte_s: float = 0.0
-    ring_s: float = 0.0
-    take_s: float = 0.0
-    wake_s: float = 0.0
-    spin_s: float = 50e-6
-    dispatch_per_worker_s: float = 0.0
-    lm_head_s: float = 0.0
-    lm_head_per_token_s: float = 0.0
-    lm_head_points: tuple[tuple[float, float], ...] = ()  # measured (b, seconds): interpolated
-    corun_attention: float = 1.0
-    corun_expert: float = 1.0
-
-    def lm_head_time(self, b: float) -> float:
-        if len(self.lm_head_points) >= 2:  # piecewise linear between the measured points
-            xs = [p[0] for p in self.lm_head_points]
-            ys = [p[1] for p in self.lm_head_points]
-            if xs[0] <= b <= xs[-1]:
-                return float(np.interp(b, xs, ys))
-        return self.lm_head_s + self.lm_head_per_token_s * b
-
-    def send_time(self, nbytes: float, receiver_asleep: bool = False) -> float:
-        return self.send_s + self.send_per_byte_s * nbytes + (self.ring_s if receiver_asleep else 0.0)
 
 
 @dataclass(frozen=True)
@@ -384,194 +195,12 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
 
 
-# --------------------------------------------------------------------------------------------
-# Fitting
-# --------------------------------------------------------------------------------------------
-def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
-    """Least squares with non-negative coefficients, for the handful of columns we have.
 
-    Solves the unconstrained problem on every subset of columns and keeps the best feasible one
-    (exact NNLS for <= 4 columns, which is all we need).
-    """
-    n = a.shape[1]
-    if w is not None:
-        a = a * w[:, None]
-        y = y * w
-    best: tuple[float, np.ndarray] | None = None
-    for r in range(n, 0, -1):
-        for cols in itertools.combinations(range(n), r):
-            sub = a[:, cols]
-            if np.linalg.matrix_rank(sub) < len(cols):
-                continue
-            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            res = float(np.sum((sub @ coef - y) ** 2))
-            if best is None or res < best[0] - 1e-30:
-                full = np.zeros(n)
-                full[list(cols)] = coef
-                best = (res, full)
-    if best is None:
-        return np.zeros(n)
-    return best[1]
-
-
-def _rmse(pred: np.ndarray, y: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((pred - y) ** 2)))
-
-
-def fit_affine(
-    columns: Sequence[Sequence[float]], y: Sequence[float], *, relative: bool = False
-) -> tuple[list[float], float]:
-    """Non-negative least squares ``y ~ sum_i c_i * columns[i]``; returns ``(coefficients, rmse)``.
-
-    ``relative``: minimise relative errors (weights ``1/y``), so small and large values count alike.
-    """
-    a = np.column_stack([np.asarray(c, dtype=float) for c in columns])
-    yy = np.asarray(y, dtype=float)
-    if a.shape[0] < a.shape[1]:
-        raise ValueError(f"fit_affine: {a.shape[0]} samples for {a.shape[1]} coefficients")
-    w = 1.0 / np.maximum(yy, 1e-12) if relative else None
-    coef = _nonneg_lstsq(a, yy, w)
-    return [float(c) for c in coef], _rmse(a @ coef, yy)
-
-
-def fit_attention(
-    samples: Sequence[Sequence[float]], *, tp: int = 1, gpu: str = "", relative: bool = False
-) -> AttentionCost:
-    """Fit ``Ta = (k1_tok + k1_ctx*s) * b + k2`` to ``(batch, seq_len, seconds)`` samples.
-
-    With a single sequence length the ``s`` term cannot be separated: ``k1_ctx`` is then 0 and
-    ``k1_tok`` is the slope at that length (``seq_len_range`` records where the fit is valid).
-    ``relative``: minimise relative errors (weights ``1/t``) instead of absolute ones.
-    """
-    arr = np.asarray(samples, dtype=float)
-    if arr.ndim != 2 or arr.shape[1] != 3 or len(arr) < 2:
-        raise ValueError("fit_attention needs at least 2 (batch, seq_len, seconds) samples")
-    b, s, t = arr[:, 0], arr[:, 1], arr[:, 2]
-    if np.ptp(b) == 0:
-        raise ValueError("fit_attention needs at least two different batch sizes")
-    w = 1.0 / np.maximum(t, 1e-12) if relative else None
-    if np.ptp(s) > 0:
-        coef = _nonneg_lstsq(np.column_stack([b, b * s, np.ones_like(b)]), t, w)
-        k1_tok, k1_ctx, k2 = coef
-    else:
-        k1_tok, k2 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t, w)
-        k1_ctx = 0.0
-    pred = (k1_tok + k1_ctx * s) * b + k2
-    return AttentionCost(
-        k1_tok=float(k1_tok),
-        k1_ctx=float(k1_ctx),
-        k2=float(k2),
-        tp=tp,
-        gpu=gpu,
-        n_samples=len(arr),
-        rmse_s=_rmse(pred, t),
-        seq_len_range=(int(s.min()), int(s.max())),
-    )
-
-
-def fit_expert(
-    samples: Sequence[Sequence[float]], *, tp: int = 1, experts_per_node: int = 1, gpu: str = "",
-    relative: bool = False,
-) -> ExpertCost:
-    """Fit ``Te = k3 * b_e + k4`` to ``(batch, seconds)`` or ``(batch, seq_len, seconds)`` samples
-    (``relative``: minimise relative errors)."""
-    arr = np.asarray(samples, dtype=float)
-    if arr.ndim != 2 or arr.shape[1] not in (2, 3) or len(arr) < 2:
-        raise ValueError("fit_expert needs at least 2 (batch, seconds) samples")
-    b, t = arr[:, 0], arr[:, -1]
-    if np.ptp(b) == 0:
-        raise ValueError("fit_expert needs at least two different batch sizes")
-    k3, k4 = _nonneg_lstsq(np.column_stack([b, np.ones_like(b)]), t, 1.0 / np.maximum(t, 1e-12) if relative else None)
-    return ExpertCost(
-        k3=float(k3),
-        k4=float(k4),
-        tp=tp,
-        experts_per_node=experts_per_node,
-        gpu=gpu,
-        n_samples=len(arr),
-        rmse_s=_rmse(k3 * b + k4, t),
-    )
-
-
-def fit_network(samples: Sequence[Sequence[float]], nominal_Bps: float | None = None) -> NetworkProfile:
-    """Fit ``t = latency + size / bandwidth`` to ``(message bytes, seconds)`` samples.
-
-    Minimises the *relative* error (weights ``1/t``) so small and large messages count alike.
-    ``util_curve()`` of the result is the Util of Eq. 6 relative to ``nominal_Bps``.
-    """
-    arr = np.asarray(samples, dtype=float)
-    if arr.ndim != 2 or arr.shape[1] != 2 or len(arr) < 2:
-        raise ValueError("fit_network needs at least 2 (bytes, seconds) samples")
-    size, t = arr[:, 0], arr[:, 1]
-    if np.ptp(size) == 0:
-        raise ValueError("fit_network needs at least two different message sizes")
-    if np.any(t <= 0):
-        raise ValueError("fit_network: times must be positive")
-    alpha, inv_bw = _nonneg_lstsq(np.column_stack([np.ones_like(size), size]), t, w=1.0 / t)
-    if inv_bw <= 0:
-        raise ValueError("fit_network: time does not grow with message size; cannot fit a bandwidth")
-    return NetworkProfile(latency_s=float(alpha), bandwidth_Bps=float(1.0 / inv_bw), nominal_Bps=nominal_Bps)
-
-
-def fit(
-    model: str,
-    attention_samples: Sequence[Sequence[float]] | None = None,
-    expert_samples: Sequence[Sequence[float]] | None = None,
-    network_samples: Sequence[Sequence[float]] | None = None,
-    *,
-    gpu: str = "",
-    attention_gpu: str | None = None,
-    expert_gpu: str | None = None,
-    tp_a: int = 1,
-    tp_e: int = 1,
-    experts_per_node: int = 1,
-    nominal_Bps: float | None = None,
-    wire: WireFormat | None = None,
-    device: str = "",
-    notes: str = "",
-    keep_samples: bool = True,
-    base: Profile | None = None,
-) -> Profile:
-    """Fit k1..k4 and the network curve from measurements and return a (merged) :class:`Profile`.
-
-    ``attention_samples``: ``(batch per micro-batch, average seq_len, seconds per layer)``;
-    ``expert_samples``: ``(token-expert pairs received, seconds per layer)``;
-    ``network_samples``: ``(message bytes, seconds)``.  Entries fitted here replace entries of
-    ``base`` with the same (gpu, tp[, experts_per_node]); others of ``base`` are kept.
-    """
-    a_gpu = attention_gpu if attention_gpu is not None else gpu
-    e_gpu = expert_gpu if expert_gpu is not None else gpu
-    prof = base or Profile(model=model)
-    att = list(prof.attention)
-    exp = list(prof.expert)
-    samples: dict[str, list[list[float]]] = dict(prof.samples or {})
-    if attention_samples is not None:
-        c = fit_attention(attention_samples, tp=tp_a, gpu=a_gpu)
-        att = [x for x in att if not (x.tp == tp_a and x.gpu.lower() == a_gpu.lower())] + [c]
-        samples["attention"] = [list(map(float, s)) for s in attention_samples]
-    if expert_samples is not None:
-        e = fit_expert(expert_samples, tp=tp_e, experts_per_node=experts_per_node, gpu=e_gpu)
-        exp = [
-            x
-            for x in exp
-            if not (x.tp == tp_e and x.experts_per_node == experts_per_node and x.gpu.lower() == e_gpu.lower())
-        ] + [e]
-        samples["expert"] = [list(map(float, s)) for s in expert_samples]
-    network = prof.network
-    if network_samples is not None:
-        network = fit_network(network_samples, nominal_Bps=nominal_Bps)
-        samples["network"] = [list(map(float, s)) for s in network_samples]
-    return replace(
-        prof,
-        model=model,
-        attention=tuple(att),
-        expert=tuple(exp),
-        network=network,
-        wire=wire or prof.wire,
-        estimate=False,
-        device=device or prof.device,
-        notes=notes or prof.notes,
-        samples=samples if keep_samples else None,
-    )
+def attention_request_cost(path: str | Path) -> Callable[[float], float]:
+    """What a request with ``s`` tokens of context adds to an attention worker's decode step,
+    ``k1(s)`` of the first attention entry of the profile at ``path``: the cost
+    :class:`afdserve.balance.attention.AttentionBalancer` balances."""
+    prof = load_profile(path)
+    if not prof.attention:
+        raise ConfigError(f"{path}: the profile has no attention entry")
+    return prof.attention[0].k1

@@ -1,13 +1,21 @@
-"""Text and JSON renderings of search results (used by the CLI and the docs)."""
+"""Text and JSON renderings of the planner's results, hardware catalog, model presets and profiles
+(used by the CLI and the docs)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from afdserve.planner.search import HeteroComparison, Plan, SearchResult
+from afdserve.planner.catalog import GPUSpec
+from afdserve.planner.plan import Plan
+from afdserve.planner.profile import Profile
+from afdserve.planner.search import HeteroComparison, SearchResult
+from afdserve.planner.search_config import SearchConfig
+from afdserve.planner.spec import ModelSpec
 
-__all__ = ["plans_table", "plans_json", "pair_matrix", "comparison_table", "comparison_json", "format_table"]
+__all__ = ["plans_table", "plans_json", "pair_matrix", "comparison_table", "comparison_json", "format_table",
+           "gpu_table", "model_table", "search_header", "profile_summary"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -164,3 +172,93 @@ def comparison_json(rows: Sequence[HeteroComparison]) -> dict[str, Any]:
             for c in rows
         ]
     }
+
+
+def gpu_table(gpus: Iterable[GPUSpec]) -> str:
+    """The hardware catalog, one GPU a row."""
+    rows = [
+        [
+            g.name,
+            "-" if g.price is None else f"{g.price:.2f}",
+            f"{g.memory_gb:g}",
+            f"{g.mem_bw_gbs:g}",
+            f"{g.tflops:g}",
+            f"{g.power_w:g}",
+            f"{g.net_gbps:g}",
+            f"{g.intra_node_gbs:g}",
+        ]
+        for g in gpus
+    ]
+    return format_table(["GPU", "price", "GB", "GB/s", "TFLOPS", "W", "net Gb/s", "NVLink/PCIe GB/s"], rows)
+
+
+def _params(spec: ModelSpec) -> str:
+    n = spec.total_params
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def model_table(specs: Iterable[ModelSpec]) -> str:
+    """Model specs, one a row."""
+    rows = [
+        [
+            s.name,
+            str(s.num_layers),
+            str(s.hidden_size),
+            str(s.intermediate_size),
+            str(s.num_experts),
+            str(s.top_k),
+            f"{s.gqa_group:g}",
+            str(s.num_shared_experts),
+            f"{s.bytes_per_param:g}",
+            _params(s),
+        ]
+        for s in specs
+    ]
+    return format_table(["model", "L", "h", "h'", "E", "K", "g", "shared", "B/param", "params"], rows)
+
+
+def search_header(spec: ModelSpec, cfg: SearchConfig, profile_path: Path | None, estimate: bool) -> str:
+    """The model, the search settings and where the constants came from."""
+    src = (
+        f"profile {profile_path}"
+        if profile_path and not estimate
+        else (
+            f"profile {profile_path} + roofline estimate"
+            if profile_path
+            else "roofline ESTIMATE from catalog specs (not measured; pass --profile for measured constants)"
+        )
+    )
+    return (
+        f"model {spec.name}: L={spec.num_layers} h={spec.hidden_size} h'={spec.intermediate_size} "
+        f"E={spec.num_experts} K={spec.top_k} g={spec.gqa_group:g} params={_params(spec)}\n"
+        f"SLO {cfg.slo_s * 1e3:g} ms, seq_len {cfg.seq_len:g}, N_m {cfg.max_micro_batches}; constants: {src}"
+    )
+
+
+def profile_summary(prof: Profile) -> str:
+    """A profile's constants, one per line."""
+    lines = [f"model {prof.model}; device {prof.device}"]
+    for a in prof.attention:
+        lines.append(f"attention (tp {a.tp}): Ta = (k1_tok + k1_ctx*s)*b + k2: k1_tok {a.k1_tok * 1e6:.3f} us, "
+                     f"k1_ctx {a.k1_ctx * 1e9:.3f} ns, k2 {a.k2 * 1e6:.1f} us "
+                     f"(rmse {0 if a.rmse_s is None else a.rmse_s * 1e6:.1f} us, {a.n_samples} points)")
+    for e in prof.expert:
+        lines.append(f"experts x{e.experts_per_node:<2} Te = k3*b_e + k4: k3 {e.k3 * 1e6:.3f} us, "
+                     f"k4 {e.k4 * 1e6:.1f} us (rmse {0 if e.rmse_s is None else e.rmse_s * 1e6:.1f} us)")
+    if prof.network is not None:
+        n = prof.network
+        u = n.util_curve()
+        lines.append(f"M2N one-way: latency {n.latency_s * 1e6:.1f} us, bandwidth {n.bandwidth_Bps / 1e9:.2f} GB/s; "
+                     f"Util(64 KiB) {u(65536):.2f}, Util(1 MiB) {u(1 << 20):.2f}")
+    lines.append(f"step overhead: {prof.step_fixed_s * 1e3:.3f} ms + {prof.step_per_token_s * 1e6:.1f} us/sequence")
+    if prof.runtime is not None and (prof.runtime.lm_head_s or prof.runtime.lm_head_per_token_s):
+        lines.append(f"LM head per micro-batch: {prof.runtime.lm_head_s * 1e3:.3f} ms + "
+                     f"{prof.runtime.lm_head_per_token_s * 1e6:.1f} us/sequence")
+    if prof.runtime is not None:
+        r = prof.runtime
+        lines.append(f"runtime: send {r.send_s * 1e6:.1f} us + {r.send_per_byte_s * 1e12:.1f} ps/B "
+                     f"(+{r.ring_s * 1e6:.1f} us to a sleeper), take {r.take_s * 1e6:.1f} us, "
+                     f"wake-up {r.wake_s * 1e6:.1f} us, dispatch +{r.dispatch_per_worker_s * 1e6:.1f} us/expert "
+                     f"worker, {r.cores} cores; computing at once: attention x{r.corun_attention:.3f}, "
+                     f"experts x{r.corun_expert:.3f}")
+    return "\n".join(lines)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afdserve.planner.catalog import GPUSpec
-from afdserve.planner.profile import AttentionCost, ExpertCost
+from afdserve.planner.costs import AttentionCost, ExpertCost
 from afdserve.planner.spec import ModelSpec
 
 __all__ = ["RooflineOptions", "roofline_batch", "moe_ffn_utilization", "attention_cost", "expert_cost"]

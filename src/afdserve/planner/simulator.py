@@ -20,11 +20,12 @@ simulated iteration time equals Eq. (5); in general it equals
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from afdserve.planner.events import EventQueue
 
 __all__ = ["SimConfig", "SimResult", "simulate", "zipf_load"]
 
@@ -128,10 +129,11 @@ def simulate(cfg: SimConfig) -> SimResult:
     tc_fwd = cfg.tc
     tc_back = cfg.tc if cfg.tc_back is None else cfg.tc_back
 
-    # nodes 0..n_a-1 are attention, n_a..n_a+n_e-1 experts
+    # nodes 0..n_a-1 are attention, n_a..n_a+n_e-1 experts; a node's tasks start first-come
+    # first-served by arrival time (ties: lower layer, then lower micro-batch)
     n_nodes = n_a + n_e
     busy_time = [0.0] * n_nodes
-    queues: list[list[tuple[float, int, int]]] = [[] for _ in range(n_nodes)]  # (arrival, layer, mb)
+    tasks: list[EventQueue[tuple[int, int]]] = [EventQueue() for _ in range(n_nodes)]  # (layer, mb)
     running = [False] * n_nodes
     remaining: dict[tuple[str, int, int], int] = {}
     last_done: dict[tuple[str, int, int], float] = {}
@@ -144,19 +146,16 @@ def simulate(cfg: SimConfig) -> SimResult:
             base, fixed, w = te[mb], cfg.te_fixed, e_load[node - n_a]
         return jit(fixed + (base - fixed) * w)
 
-    events: list[tuple[float, int, int, int, int, int]] = []  # (time, kind, seq, node, layer, mb)
-    seq = 0
-    ARRIVE, DONE = 0, 1
+    ARRIVE, DONE = 0, 1  # at equal times arrivals first
+    events: EventQueue[tuple[int, int, int, int]] = EventQueue()  # (kind, node, layer, mb)
 
     def push(t: float, kind: int, node: int, layer: int, mb: int) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, kind, seq, node, layer, mb))
-        seq += 1
+        events.push(t, (kind, node, layer, mb), rank=kind)
 
     def start_next(node: int, now: float) -> None:
-        if running[node] or not queues[node]:
+        if running[node] or not tasks[node]:
             return
-        _, layer, mb = heapq.heappop(queues[node])
+        _, (layer, mb) = tasks[node].pop()
         d = duration(node, layer, mb)
         running[node] = True
         busy_time[node] += d
@@ -165,12 +164,10 @@ def simulate(cfg: SimConfig) -> SimResult:
     for mb in range(m):
         for a in range(n_a):
             push(0.0, ARRIVE, a, 0, mb)
-    n_events = 0
     while events:
-        now, kind, _, node, layer, mb = heapq.heappop(events)
-        n_events += 1
+        now, (kind, node, layer, mb) = events.pop()
         if kind == ARRIVE:
-            heapq.heappush(queues[node], (now, layer, mb))
+            tasks[node].push(now, (layer, mb), rank=layer * m + mb)
             start_next(node, now)
             continue
         running[node] = False
@@ -200,5 +197,5 @@ def simulate(cfg: SimConfig) -> SimResult:
         attention_util=tuple(b / total for b in busy_time[:n_a]),
         expert_util=tuple(b / total for b in busy_time[n_a:]),
         micro_batch_finish=tuple(finish),
-        events=n_events,
+        events=events.popped,
     )

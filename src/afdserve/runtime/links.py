@@ -6,19 +6,18 @@ registered slots and arrive as views that the caller releases.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from afdserve.comm import CommConfig, Communicator, Message, Meta, PeerError, PeerTimeoutError
+from afdserve.runtime.messages import WorkerSpec
 
-if TYPE_CHECKING:
-    from afdserve.runtime.workers import WorkerSpec
 
 PeerFailure = PeerError  # a peer died, closed or stalled past the deadline; the message names it
 
 
-def slot_bytes(spec: "WorkerSpec") -> int:
+def slot_bytes(spec: WorkerSpec) -> int:
     """Largest payload of one message: every token of a step's micro-batch with its hidden state
     (float32 at most) plus top-k ids and weights; with 64-byte alignment slack per tensor."""
     from afdserve.model.config import ModelConfig
@@ -39,7 +38,7 @@ class Links:
         self.comm, self.peers = comm, list(peers)
 
     @classmethod
-    def connect(cls, spec: "WorkerSpec", peers: Sequence[str]) -> "Links":
+    def connect(cls, spec: WorkerSpec, peers: Sequence[str]) -> "Links":
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
@@ -77,6 +76,10 @@ class Links:
 
     def transport(self, peer: int) -> str:
         return self.comm.transport(self.peers[peer])
+
+    def transports(self) -> dict[str, str]:
+        """The M2N transport to each peer ('shm', 'tcp' or 'torch')."""
+        return {name: self.comm.transport(name) for name in self.peers}
 
     def close(self) -> None:
         self.comm.close()

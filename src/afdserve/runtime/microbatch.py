@@ -7,10 +7,12 @@ runs the micro-batches of a layer in order.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from afdserve.config import micro_batch_sizes
 from afdserve.model.attention import AttnMetadata
 
 
@@ -21,12 +23,11 @@ class MicroBatch:
 
 
 def split(meta: AttnMetadata, m: int) -> list[MicroBatch]:
-    total = meta.num_tokens
-    m = max(1, min(m, total))
-    bounds = [round(total * i / m) for i in range(m + 1)]
+    sizes = micro_batch_sizes(meta.num_tokens, m)
+    bounds = [0, *itertools.accumulate(sizes)]
     out: list[MicroBatch] = []
     seq, used = 0, 0  # current sequence, and how many of its new tokens earlier micro-batches took
-    for i in range(m):
+    for i in range(len(sizes)):
         want = bounds[i + 1] - bounds[i]
         qlens, slots = [], []
         while want > 0:

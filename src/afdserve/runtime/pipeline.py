@@ -24,7 +24,7 @@ GATE_ATTENTION, GATE_EXPERT = 0, 1
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     h: torch.Tensor
     y: torch.Tensor
     parts: list[tuple[int, torch.Tensor | None]]  # (expert worker, token rows it got; None = all)
@@ -56,26 +56,26 @@ class PipelinedRunner:
         mbs = split(meta, self.m)
         x = [m.embed_tokens(input_ids[mb.rows]) for mb in mbs]
         cos_sin = [m.rotary.cos_sin(mb.meta.positions, m.dtype) for mb in mbs]
-        flight: list[_InFlight | None] = [None] * len(mbs)
+        flight: list[InFlight | None] = [None] * len(mbs)
         for layer in range(m.cfg.num_layers):
             for i, mb in enumerate(mbs):
                 if layer > 0:
-                    x[i] = self._combine(i, layer - 1, flight[i])
+                    x[i] = self.combine(i, layer - 1, flight[i])
                 with tr.span("attention", mb=i, layer=layer, tokens=mb.meta.num_tokens):
                     h, y, ids, w = m.pre_moe(layer, x[i], cos_sin[i], mb.meta, self.kv)
-                flight[i] = self._dispatch(i, layer, h, y, ids, w)
+                flight[i] = self.dispatch(i, layer, h, y, ids, w)
         # Each micro-batch's LM head runs as soon as its last layer is combined, while the experts
         # still work on the next micro-batch's last layer.
         local_rows = rows_in(mbs, rows)
         logits = []
         for i in range(len(mbs)):
-            x[i] = self._combine(i, m.cfg.num_layers - 1, flight[i])
+            x[i] = self.combine(i, m.cfg.num_layers - 1, flight[i])
             with tr.span("attention", mb=i, layer=m.cfg.num_layers, phase="lm_head"):
                 logits.append(m.logits(x[i][local_rows[i]]))
         return torch.cat(logits)
 
-    def _dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
-                  w: torch.Tensor) -> _InFlight:
+    def dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
+                  w: torch.Tensor) -> InFlight:
         parts: list[tuple[int, torch.Tensor | None]] = []
         n_exp = self.model.cfg.num_experts
         with self.tracer.span("send", mb=mb, layer=layer):
@@ -84,7 +84,7 @@ class PipelinedRunner:
                     self.links.send(j, [y], (self.step_no, mb, layer, self.version))
                     parts.append((j, None))
                 self.tokens_per_worker += y.shape[0]
-                return _InFlight(h, y, parts)
+                return InFlight(h, y, parts)
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
             owner = self.map.route(layer, ids)
@@ -97,9 +97,9 @@ class PipelinedRunner:
                 self.links.send(j, [y[tokens], sub_ids, w[tokens]], (self.step_no, mb, layer, self.version))
                 self.tokens_per_worker[j] += tokens.numel()
                 parts.append((j, tokens))
-        return _InFlight(h, y, parts)
+        return InFlight(h, y, parts)
 
-    def _combine(self, mb: int, layer: int, f: _InFlight) -> torch.Tensor:
+    def combine(self, mb: int, layer: int, f: InFlight) -> torch.Tensor:
         routed = torch.zeros_like(f.y)
         # a dead peer is detected at once; a stalled one after the deadline, which grows with the
         # work in flight (a large prefill keeps an expert busy for a while)

@@ -46,6 +46,11 @@ class Tracer:
                         "tid": tid, "args": s.args} for s in self.spans]
 
 
+def idle_span(t0_ns: int) -> Span:
+    """The span from ``t0_ns`` (``time.time_ns()``) to now, named idle."""
+    return Span("idle", t0_ns / 1e3, (time.time_ns() - t0_ns) / 1e3)
+
+
 def write_chrome_trace(path: str, per_worker: dict[str, list[dict]]) -> None:
     """``per_worker``: worker name -> its ``Tracer.events`` (already numbered)."""
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "afdserve"}}]

@@ -1,9 +1,8 @@
-"""``afdserve trace-plot TRACE --out PNG``: the ping-pong timeline of a deployment (like
-MegaScale-Infer's Fig. 4) and each worker's busy and idle fractions."""
+"""The ping-pong timeline of a deployment trace (like MegaScale-Infer's Fig. 4) and each worker's
+busy and idle fractions (drawn by ``afdserve trace-plot``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 
@@ -101,23 +100,3 @@ def plot(spans: dict[str, list[dict]], out: str, start_ms: float | None, span_ms
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("trace-plot", help="draw a deployment trace as a ping-pong timeline",
-                       description="Draw the timeline of a --trace JSON and print busy/idle fractions per worker.")
-    p.add_argument("trace", help="Chrome/Perfetto JSON written with --trace")
-    p.add_argument("--out", required=True, help="PNG to write")
-    p.add_argument("--start-ms", type=float, default=None, help="start of the drawn window (from the first span)")
-    p.add_argument("--span-ms", type=float, default=None, help="length of the drawn window")
-    return p
-
-
-def main(args: argparse.Namespace) -> int:
-    spans = load(args.trace)
-    plot(spans, args.out, args.start_ms, args.span_ms)
-    print(f"{'worker':<12} {'busy':>6} {'send':>6} {'wait/idle':>9}   (steady state, {usage(spans)[0].window_ms:.0f} ms)")
-    for u in usage(spans):
-        print(f"{u.worker:<12} {u.busy:>6.1%} {u.comm:>6.1%} {u.wait:>9.1%}")
-    print(f"wrote {args.out}")
-    return 0

@@ -1,11 +1,11 @@
-"""The OpenAI-compatible HTTP server (``afdserve serve``) and the serving benchmark
-(``afdserve bench serve``).
+"""The OpenAI-compatible HTTP server (``afdserve serve``).
 
 * ``app`` -- FastAPI routes and OpenAI-shaped errors; ``generation`` -- completions and chat
   completions, JSON or server-sent events; ``protocol`` -- request/response models; ``chat`` --
   chat templates; ``errors`` -- error bodies
 * ``async_engine`` -- the engine thread between the event loop and a (non thread-safe) engine;
   ``engine_stats`` -- what a deployment reports; ``metrics`` -- Prometheus metrics
-* ``server`` -- building and running a server; ``cli`` -- ``afdserve serve``
-* ``sharegpt``, ``workload``, ``loadgen``, ``report``, ``bench`` -- the load generator
+* ``server`` -- building and running a server
+
+The load generator and the serving benchmark (``afdserve bench serve``) are in ``afdserve.bench``.
 """

@@ -17,16 +17,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import afdserve
+from importlib.metadata import version
+
+from afdserve.errors import AfdServeError, ConfigError
 from afdserve.serving.async_engine import AsyncEngine
 from afdserve.serving.chat import ChatTemplate
 from afdserve.serving.errors import ApiError, validation_error
 from afdserve.serving.generation import OpenAIServing
 from afdserve.serving.metrics import ServingMetrics
-from afdserve.errors import AfdServeError
-from afdserve.serving.protocol import (RebalanceRequest, RebalanceResponse)
 from afdserve.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelList)
+                                       CompletionResponse, ErrorResponse, ModelList, RebalanceRequest,
+                                       RebalanceResponse)
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -79,7 +80,7 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         finally:
             await engine.close()
 
-    app = FastAPI(title="afdserve", version=afdserve.__version__,
+    app = FastAPI(title="afdserve", version=version("afdserve"),
                   description="OpenAI-compatible API of an afdserve MoE deployment", lifespan=lifespan)
     app.state.metrics, app.state.engine = metrics, engine
     app.add_middleware(_StatusMetrics, metrics=metrics)
@@ -126,30 +127,23 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     async def rebalance(body: RebalanceRequest | None = None) -> Response:
         """Moves expert weights to a placement planned from the recent load, while serving."""
         body = body or RebalanceRequest()
-        if not hasattr(engine.engine, "rebalance"):
-            return ApiError(400, "this deployment has no expert workers to rebalance (expert_workers=0)").response()
-
-        def run(eng: Any) -> RebalanceResponse:
-            m = eng.rebalance(slots_per_worker=body.slots_per_worker, planner=body.planner)
-            return RebalanceResponse(version=eng.map_version,
-                                     experts_per_worker=[m.experts_of(w) for w in range(m.num_workers)])
-
         try:
-            return JSONResponse((await engine.call(run)).model_dump())
+            res = await engine.call(lambda eng: eng.rebalance(slots_per_worker=body.slots_per_worker,
+                                                              planner=body.planner))
+        except ConfigError as e:  # e.g. a deployment without expert workers
+            return ApiError(400, str(e)).response()
         except (AfdServeError, ValueError) as e:
             return ApiError(409, str(e), code="rebalance_failed").response()
+        return JSONResponse(RebalanceResponse(version=res.version,
+                                              experts_per_worker=res.experts_per_worker).model_dump())
 
     @app.get("/admin/expert-load")
     async def expert_load() -> Response:
         """The per-layer expert load snapshot (tokens per expert, co-activation) as JSON."""
-        def snap(eng: Any) -> str | None:
-            s = eng.expert_load() if hasattr(eng, "expert_load") else None
-            return s.to_json() if s is not None else None
-
-        got = await engine.call(snap)
-        if got is None:
-            return ApiError(404, "no expert load recorded (colocated engine, or nothing served yet)").response()
-        return Response(got, media_type="application/json")
+        snap = await engine.call(lambda eng: eng.expert_load())
+        if snap is None or snap.steps == 0:
+            return ApiError(404, "no expert load recorded yet: serve some requests first").response()
+        return Response(snap.to_json(), media_type="application/json")
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

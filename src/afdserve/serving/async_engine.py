@@ -1,17 +1,18 @@
-"""Runs an engine (the colocated ``Engine`` or a ``LocalCluster``) in one dedicated thread, apart from
-the HTTP server's event loop.
+"""Runs an ``EngineClient`` (any deployment) in one dedicated thread, apart from the HTTP server's
+event loop.
 
-The engine thread owns the engine: between steps it takes new requests and aborts from a
-thread-safe queue, then steps, then hands the step's outputs to the event loop with one
+The engine thread owns the client: between steps it takes new requests and aborts from a
+thread-safe queue, then asks the client for outputs, then hands them to the event loop with one
 ``call_soon_threadsafe``. It never waits on HTTP: each request keeps only its *latest* output
 (outputs are cumulative), so a slow client costs memory for one output, not a queue, and never a
-stall. When nothing runs, the thread blocks on its queue (the cluster's is polled every 50 ms to
-collect worker stats).
+stall. When nothing runs, the thread blocks on its queue for at most ``idle_poll_s`` (then lets the
+client take in what its workers reported).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,11 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from afdserve.engine.engine import Engine
+from afdserve.engine.client import EngineClient
 from afdserve.engine.outputs import CompletionOutput, RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.stats import EngineStats
 from afdserve.engine.tokenizer import TokenizerInfo
-from afdserve.serving.engine_stats import EngineStats, StatsSource, stats_source
 
 log = logging.getLogger("afdserve.serving")
 
@@ -34,17 +35,6 @@ class EngineOverloaded(Exception):
 
 class EngineUnavailable(Exception):
     """The deployment failed (a worker died) or is shutting down."""
-
-
-class EngineLike(Protocol):
-    tok: TokenizerInfo | None
-    max_model_len: int
-
-    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]: ...
-    def add_request(self, prompt: str | dict | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str: ...
-    def abort(self, request_id: str) -> Any: ...
-    def has_unfinished(self) -> bool: ...
 
 
 class Observer(Protocol):
@@ -128,16 +118,14 @@ class _Track:
 class AsyncEngine:
     """The engine behind the HTTP server. Call ``start`` and, at the end, ``close`` on the event loop."""
 
-    def __init__(self, engine: EngineLike, *, max_in_flight: int, observer: Observer | None = None,
-                 poll_s: float = 0.005, stats_interval_s: float = 1.0, load_window: int = 64,
+    def __init__(self, engine: EngineClient, *, max_in_flight: int, observer: Observer | None = None,
+                 poll_s: float = 0.005, idle_poll_s: float = 0.05, stats_interval_s: float = 1.0,
                  rebalance_interval_s: float | None = None):
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.observer = observer
-        self.poll_s, self.stats_interval_s = poll_s, stats_interval_s
-        self.rebalance_interval_s = rebalance_interval_s  # re-plan expert placement this often (clusters)
-        self.is_cluster = not isinstance(engine, Engine)  # a LocalCluster: step(timeout) polls its workers
-        self._source: StatsSource = stats_source(engine, load_window)
+        self.poll_s, self.idle_poll_s, self.stats_interval_s = poll_s, idle_poll_s, stats_interval_s
+        self.rebalance_interval_s = rebalance_interval_s  # re-plan expert placement this often
         self._queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._tracks: dict[str, _Track] = {}  # engine request id -> its stream (event loop thread only)
         self._snapshot = EngineStats()
@@ -151,7 +139,7 @@ class AsyncEngine:
     # ---- properties the server reads -----------------------------------------------------
     @property
     def tokenizer(self) -> TokenizerInfo | None:
-        return self.engine.tok
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -188,9 +176,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
         self._fail_all("the server is shutting down")
-        close = getattr(self.engine, "shutdown", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(self.engine.shutdown)
 
     # ---- requests (event loop thread) ----------------------------------------------------
     def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams) -> GenerationStream:
@@ -246,46 +232,37 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
-        eng, src = self.engine, self._source
+        eng = self.engine
         next_refresh = time.monotonic()
-        every = self.rebalance_interval_s if self.is_cluster else None
+        every = self.rebalance_interval_s
         next_rebalance = time.monotonic() + every if every else float("inf")
         try:
             while True:
                 busy = eng.has_unfinished()
-                if busy:
-                    wait = None
-                elif self.is_cluster:
-                    wait = 0.05  # then drain the workers' stats replies
-                else:
-                    wait = max(0.0, next_refresh - time.monotonic())
+                wait = None if busy else min(self.idle_poll_s, max(0.0, next_refresh - time.monotonic()))
                 outs: list[RequestOutput] = []
                 for cmd in self._take(wait):
                     if cmd[0] == "stop":
                         return
                     outs += self._apply(cmd)
-                t0 = time.perf_counter()
-                stepped = self.is_cluster or eng.has_unfinished()
-                if self.is_cluster:
-                    outs += eng.step(self.poll_s if eng.has_unfinished() else 0.0)  # type: ignore[call-arg]
-                elif stepped:
-                    outs += eng.step()  # type: ignore[attr-defined]
-                sizes = (self._stats(src.after_step, time.perf_counter() - t0) or []) if stepped else []
+                outs += eng.get_outputs(self.poll_s if eng.has_unfinished() else 0.0)
                 now = time.monotonic()
                 if now >= next_refresh:
-                    self._stats(src.refresh)
+                    self._stats(eng.refresh_stats)
                     next_refresh = now + self.stats_interval_s
-                self._snapshot = self._stats(src.snapshot, self._queue.qsize()) or self._snapshot
-                if now >= next_rebalance and every:
-                    next_rebalance = now + every
+                snap = self._stats(eng.stats)
+                if snap is not None:
+                    self._snapshot = dataclasses.replace(snap, waiting=snap.waiting + self._queue.qsize())
+                sizes = snap.micro_batch_sizes if snap is not None else []
+                if now >= next_rebalance:
+                    next_rebalance = now + every  # type: ignore[operator]
                     try:  # between steps, like any control message; serving goes on meanwhile
-                        eng.rebalance()  # type: ignore[attr-defined]
+                        eng.rebalance()
                     except Exception as e:  # no load yet, or nothing to gain: keep serving
                         log.info("periodic re-plan skipped: %s", e)
-                failed = getattr(eng, "failed", None)
-                if failed and not self._failed:
-                    self._failed = failed
-                    log.error("deployment failed: %s", failed)
+                if eng.failed and not self._failed:
+                    self._failed = eng.failed
+                    log.error("deployment failed: %s", eng.failed)
                 if (outs or sizes) and self._loop is not None:
                     self._loop.call_soon_threadsafe(self._on_step, _latest(outs), sizes, now)
         except BaseException as e:  # a bug or a broken engine: fail everything, refuse new requests
@@ -322,7 +299,7 @@ class AsyncEngine:
             pass
         return cmds
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineClient], Any]) -> Any:
         """Runs ``fn(engine)`` in the engine thread between two steps and returns its result
         (re-planning, snapshots: anything that must not race with a step)."""
         if self._loop is None:

@@ -1,5 +1,5 @@
-"""Runs the API server: builds the deployment from an ``EngineConfig`` (colocated engine or local
-cluster, the same rule as ``LLM``), wraps it in an ``AsyncEngine`` and serves it with uvicorn, in
+"""Runs the API server: builds the deployment from an ``EngineConfig`` (``afdserve.cluster.build_client``,
+the same rule as ``LLM``), wraps it in an ``AsyncEngine`` and serves it with uvicorn, in
 the foreground (``serve``) or in a background thread (``BackgroundServer``, for tests and benchmarks).
 """
 
@@ -9,11 +9,11 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
+from afdserve.cluster import build_client, resolve_deployment
 from afdserve.config import EngineConfig
 from afdserve.errors import ConfigError
 from afdserve.serving.app import create_app
@@ -38,12 +38,14 @@ def model_name(cfg: EngineConfig, opts: ServerOptions) -> str:
 def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastAPI:
     if opts.max_waiting_requests < 0:
         raise ConfigError(f"invalid max_waiting_requests={opts.max_waiting_requests}: must be >= 0")
-    from afdserve.engine.builder import build_engine
-
-    engine = build_engine(cfg)
+    cfg = resolve_deployment(cfg)
+    if opts.rebalance_interval_s is not None and cfg.expert_workers == 0:
+        raise ConfigError("invalid rebalance_interval_s: the colocated engine (expert_workers=0) has no experts to "
+                          "re-place")
+    engine = build_client(cfg)
     capacity = cfg.max_num_seqs * cfg.attention_workers + opts.max_waiting_requests
-    return create_app(AsyncEngine(engine, max_in_flight=capacity, load_window=cfg.load_window,
-                                  rebalance_interval_s=opts.rebalance_interval_s), model_name(cfg, opts))
+    return create_app(AsyncEngine(engine, max_in_flight=capacity, rebalance_interval_s=opts.rebalance_interval_s),
+                      model_name(cfg, opts))
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,68 @@
+"""``afdserve bench m2n``: the M2N communication micro-benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import fields
+
+from afdserve.bench import m2n
+from afdserve.bench.m2n_report import fmt_size
+
+DEFAULT_SIZES = ",".join(fmt_size(s) for s in m2n.DEFAULT_SIZES)
+_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "k": 1024, "mb": 1000**2, "mib": 1024**2, "m": 1024**2,
+          "gb": 1000**3, "gib": 1024**3, "g": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 2KiB, 256KiB, 8MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _csv(conv):
+    def parse(text: str) -> list:
+        return [conv(x) for x in text.split(",") if x.strip()]
+    return parse
+
+
+def _transports(text: str) -> list[str]:
+    out = _csv(str.strip)(text)
+    bad = [t for t in out if t not in m2n.ALL_TRANSPORTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {bad}; use {','.join(m2n.ALL_TRANSPORTS)}")
+    return out
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``m2n`` on the ``afdserve bench`` sub-command's subparsers."""
+    p = subparsers.add_parser("m2n", help="M2N communication micro-benchmark (latency, throughput)",
+                              description=m2n.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transports", type=_transports, default=list(m2n.ALL_TRANSPORTS),
+                   help="comma list of shm,tcp,torch,torch_raw (torch_raw: plain gloo send/recv, no metadata)")
+    p.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES),
+                   help=f"bytes per sender->receiver message (default {DEFAULT_SIZES})")
+    p.add_argument("--senders", type=int, default=1, help="M for the size sweep")
+    p.add_argument("--receivers", type=int, default=1, help="N for the size sweep")
+    p.add_argument("--scale", type=_csv(int), default=[1, 2, 4],
+                   help="M=N values of the scaling sweep (empty string to skip)")
+    p.add_argument("--scale-size", type=parse_size, default=256 << 10, help="message size of the scaling sweep")
+    p.add_argument("--iters", type=int, default=500, help="timed latency iterations per point")
+    p.add_argument("--slots", type=int, default=4, help="registered slots per pair")
+    p.add_argument("--spin-us", type=float, default=100.0, help="busy-poll time before blocking (CommConfig.spin_s)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin worker processes to CPUs round-robin (all transports alike)")
+    p.add_argument("--json", dest="json_path", default=None, help="write results here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="save a PNG of the results here")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.senders < 1 or args.receivers < 1 or args.iters < 1:
+        print("error: --senders, --receivers and --iters must be >= 1", file=sys.stderr)
+        return 2
+    m2n.run_m2n(m2n.M2NOptions(**{f.name: getattr(args, f.name) for f in fields(m2n.M2NOptions)}))
+    return 0

@@ -1,0 +1,41 @@
+"""``afdserve serve``: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+
+from afdserve.cli.deployment import add_engine_args, engine_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). Default deployment: the built-in demo model, disaggregated "
+                    "on this machine (1 attention worker + 1 expert worker, 2 micro-batches); "
+                    "--expert-workers 0 serves it colocated in this process.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the --model argument, or 'demo')")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests that may queue beyond the running capacity (max-num-seqs per attention "
+                        "worker); more are refused with 429 and Retry-After")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--rebalance-interval", type=float, default=None, metavar="SECONDS",
+                   help="re-plan the expert placement from the recent load this often (default: only on "
+                        "POST /admin/rebalance or `afdserve rebalance`)")
+    add_engine_args(p)
+    p.set_defaults(expert_workers=1, micro_batches=2)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from afdserve.serving.server import ServerOptions, serve
+
+    serve(engine_config(args), ServerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                                             rebalance_interval_s=args.rebalance_interval,
+                                             max_waiting_requests=args.max_waiting_requests,
+                                             log_level=args.log_level, access_log=args.access_log))
+    return 0

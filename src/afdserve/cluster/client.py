@@ -1,0 +1,301 @@
+"""A disaggregated deployment as an ``EngineClient``: n_a attention workers and n_e expert workers,
+as local processes or Ray actors (only the launcher differs).
+
+The front end (this object, in the caller's process) validates and tokenizes requests, assigns each
+to an attention worker, turns the workers' token ids into outputs (detokenization and stop strings
+happen here, once) and reports stats. Workers talk to each other over the M2N library and to the
+front end over typed control messages (``afdserve.runtime.messages``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from afdserve.balance.attention import AttentionBalancer
+from afdserve.balance.load import LoadSnapshot
+from afdserve.balance.placement import Placement
+from afdserve.cluster.process_launcher import start_store
+from afdserve.cluster.worker_stats import ClusterStats
+from afdserve.config import EngineConfig
+from afdserve.engine.builder import context_len, front_end_tokenizer, resolve_model
+from afdserve.engine.client import RebalanceResult
+from afdserve.engine.frontend import FrontEnd
+from afdserve.engine.outputs import TokenOutput
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.stats import EngineStats
+from afdserve.errors import ConfigError, WorkerError
+from afdserve.model.config import ModelConfig
+from afdserve.planner import attention_request_cost
+from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.links import max_micro_batches
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, CommitMap, Crashed, Failed, FromWorker, GetStats,
+                                       GetTrace, PrepareMap, Ready, SetMicroBatches, Shutdown, StatsReply,
+                                       StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec)
+from afdserve.runtime.trace import write_chrome_trace
+
+
+class ClusterClient(FrontEnd):
+    def __init__(self, cfg: EngineConfig, launch: Callable[[WorkerSpec], Any]):
+        self.config = cfg
+        path = resolve_model(cfg.model)
+        self.model_cfg = ModelConfig.from_pretrained(path)
+        tok = front_end_tokenizer(cfg, path, self.model_cfg)
+        super().__init__(tok, self.model_cfg.vocab_size, context_len(cfg, self.model_cfg), id_prefix="c")
+        if cfg.expert_workers < 1:
+            raise ConfigError("a cluster needs at least one expert worker (expert_workers=0 is the colocated engine)")
+        self.expert_map = ExpertMap.contiguous(self.model_cfg.num_layers, self.model_cfg.num_experts,
+                                               cfg.expert_workers, cfg.expert_split)
+        self.map_version = 0
+        self.micro_batches = cfg.micro_batches
+        self.max_micro_batches = max_micro_batches(cfg.micro_batches)
+        self._launch = launch
+        self._store = start_store(getattr(launch, "store_host", "127.0.0.1"))
+        group = f"{os.getpid()}_{secrets.token_hex(3)}"
+        specs = [WorkerSpec(role, i, cfg, str(path), self.expert_map, self._store.addr, group,
+                            frozenset(tok.eos_token_ids), trace=bool(cfg.trace))
+                 for role, n in (("attention", cfg.attention_workers), ("expert", cfg.expert_workers))
+                 for i in range(n)]
+        self.attention = [s.name for s in specs if s.role == "attention"]
+        self.experts = [s.name for s in specs if s.role == "expert"]
+        self.workers: dict[str, Any] = {}  # name -> launched handle (ControlLink: send, ctl, dead, pid...)
+        self.failed: str | None = None
+        self.owner: dict[str, str] = {}  # request id -> attention worker
+        self.lengths: dict[str, int] = {}  # request id -> tokens so far (for attention balance)
+        self.balancer = AttentionBalancer(self.attention, attention_request_cost(cfg.attention_cost)) \
+            if cfg.attention_cost else AttentionBalancer(self.attention)
+        self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
+        self._held: list[TokenOutput] = []  # outputs that arrived during a control call
+        self._closed = False
+        try:
+            prepare = getattr(launch, "prepare", None)  # e.g. reserve a placement group for all workers
+            if prepare is not None:
+                prepare(specs)
+            for s in specs:
+                self.workers[s.name] = launch(s)
+            self._wait_ready(cfg.startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _wait_ready(self, timeout: float) -> None:
+        pending = set(self.workers)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"workers {sorted(pending)} did not start within {timeout:.0f} s")
+            for name, msg in self._receive(pending, left):
+                if msg is None:
+                    self.workers[name].wait(5)
+                    raise WorkerError(f"{self._who(name)} exited during start-up ({self.workers[name].exit_status()})")
+                if isinstance(msg, Ready):
+                    pending.discard(name)
+                elif isinstance(msg, Crashed):
+                    raise WorkerError(f"{self._who(name)} failed to start: {msg.error}\n{msg.traceback}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.config.trace and self.workers and not self.failed:
+            try:
+                self.write_trace(self.config.trace)
+            except Exception:
+                pass
+        for w in self.workers.values():  # attention workers first: they stop sending
+            w.send(Shutdown())
+        for w in self.workers.values():
+            w.join(5.0)
+        close = getattr(self._launch, "close", None)  # e.g. release the placement group
+        if close is not None:
+            close()
+        self._store.close()
+
+    # ---- FrontEnd: requests to the attention workers -----------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.failed:
+            raise WorkerError(f"deployment failed: {self.failed}")
+        target = self.balancer.pick(len(prompt_token_ids), params.max_tokens)  # least predicted attention time
+        self.balancer.add(target, request_id, len(prompt_token_ids))
+        self.owner[request_id] = target
+        self.lengths[request_id] = len(prompt_token_ids)
+        self.workers[target].send(AddRequest(request_id, prompt_token_ids, params))
+
+    def cancel(self, request_id: str) -> None:
+        target = self._release(request_id)
+        if target is not None:
+            self.workers[target].send(AbortRequests([request_id]))
+
+    def poll(self, timeout: float) -> list[TokenOutput]:
+        """Token outputs that arrived (waits up to ``timeout`` for the first)."""
+        outs, self._held = self._held, []
+        if outs:
+            timeout = 0.0
+        for name, msg in self._receive(self._live(), timeout):
+            outs += self._handle(name, msg)
+        return outs
+
+    def _release(self, request_id: str) -> str | None:
+        target = self.owner.pop(request_id, None)
+        self.lengths.pop(request_id, None)
+        if target is not None:
+            self.balancer.remove(target, request_id)
+        return target
+
+    def _handle(self, name: str, msg: FromWorker | None) -> list[TokenOutput]:
+        if msg is None:  # the control channel broke: the process is gone
+            w = self.workers[name]
+            w.wait(0.2)
+            return self._worker_died(name, f"{self._who(name)} died ({w.exit_status()})")
+        if isinstance(msg, StepOutputs):
+            self.stats_view.on_step(name, msg.stats, self.micro_batches)
+            for o in msg.outputs:
+                if o.finished:
+                    self._release(o.request_id)
+                elif o.request_id in self.lengths:
+                    self.lengths[o.request_id] += len(o.new_token_ids)
+                    self.balancer.update(name, o.request_id, self.lengths[o.request_id])
+            return msg.outputs
+        if isinstance(msg, (Failed, Crashed)):
+            return self._worker_died(name if isinstance(msg, Crashed) else None,
+                                     msg.reason if isinstance(msg, Failed) else msg.error)
+        if isinstance(msg, StatsReply):
+            self.stats_view.on_stats(name, msg.stats)
+        return []
+
+    def _worker_died(self, name: str | None, reason: str) -> list[TokenOutput]:
+        """Fails every in-flight request with an error naming the failed worker."""
+        remote = [n for n, w in self.workers.items() if getattr(w, "remote", False)
+                  and (n == name or _names(n, reason)) and self._who(n) not in reason]
+        if remote:  # say where the failed worker (or the peer a report names) ran
+            reason += " [" + "; ".join(self._who(n) for n in remote) + "]"
+        if self.failed is None:
+            self.failed = reason
+        outs = [TokenOutput(rid, [], "abort", error=f"worker failure: {reason}") for rid in list(self.owner)]
+        for o in outs:
+            self._release(o.request_id)
+        if name is not None and name in self.workers:
+            self.workers[name].dead = True
+        return outs
+
+    # ---- control calls ------------------------------------------------------------------------
+    def _live(self) -> list[str]:
+        return [n for n, w in self.workers.items() if not w.dead]
+
+    def _receive(self, names: Any, timeout: float) -> list[tuple[str, FromWorker | None]]:
+        """Messages that are ready from the workers ``names`` (waits up to ``timeout`` for the first);
+        ``None`` for a worker whose channel broke."""
+        by_fd = {self.workers[n].ctl.conn: n for n in names if not self.workers[n].dead}
+        got: list[tuple[str, FromWorker | None]] = []
+        for conn in wait(list(by_fd), timeout=timeout):
+            name, w = by_fd[conn], self.workers[by_fd[conn]]
+            while not w.dead and w.ctl.poll(0):
+                try:
+                    got.append((name, w.ctl.recv()))  # type: ignore[arg-type]
+                except (EOFError, OSError):
+                    got.append((name, None))
+                    w.dead = True
+        return got
+
+    def _call(self, targets: list[str], msg: ToWorker | Callable[[int], ToWorker], reply: type,
+              timeout: float = 120.0) -> dict[str, Any]:
+        """Sends ``msg`` (or ``msg(i)`` to the i-th target) to ``targets`` and waits for each one's
+        ``reply`` message (outputs arriving meanwhile are kept for the next ``get_outputs``)."""
+        for i, t in enumerate(targets):
+            self.workers[t].send(msg(i) if callable(msg) else msg)
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(targets):
+            if self.failed:
+                raise WorkerError(f"deployment failed: {self.failed}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(targets) - set(got))
+                raise WorkerError(f"workers {missing} did not answer {reply.__name__} within {timeout:.0f} s")
+            for name, m in self._receive(self._live(), min(left, 0.1)):
+                if isinstance(m, reply) and name in targets:
+                    got[name] = m
+                else:
+                    self._held += self._handle(name, m)
+        return got
+
+    def expert_load(self) -> LoadSnapshot | None:
+        """Tokens per expert and co-activation over the recent window, merged over the workers."""
+        snaps = [LoadSnapshot.from_json(st.load) for st in self.worker_stats().values() if st.load is not None]
+        return LoadSnapshot.merge(snaps) if snaps else None
+
+    def rebalance(self, slots_per_worker: int | None = None, planner: str = "janus",
+                  placement: Placement | None = None) -> RebalanceResult:
+        """Moves expert weights to ``placement`` (default: planned from the recent load, with
+        ``slots_per_worker`` slots each) while serving: expert workers first load the new experts
+        next to the old ones, then every attention worker switches maps between two steps, then
+        the experts no longer needed are dropped. No request fails and no output changes."""
+        if placement is None:
+            from afdserve.balance.planners import plan_janus, plan_megascale
+
+            load = self.expert_load()
+            if load is None:
+                raise WorkerError("no expert load recorded yet: serve some requests first")
+            slots = slots_per_worker or max(self.expert_map.placement.layers[0].capacities)
+            placement = (plan_janus if planner == "janus" else plan_megascale)(load, len(self.experts), slots)
+        new_map = ExpertMap(placement)
+        if new_map.num_workers != len(self.experts) or new_map.num_layers != self.model_cfg.num_layers:
+            raise WorkerError(f"placement is for {new_map.num_workers} workers x {new_map.num_layers} layers; "
+                              f"the deployment has {len(self.experts)} x {self.model_cfg.num_layers}")
+        placement.validate()
+        version = self.map_version + 1
+        self._call(self.experts, PrepareMap(version, new_map), Ack)
+        self._call(self.attention, SwitchMap(version, new_map), Ack)
+        self._call(self.experts, CommitMap(version), Ack)
+        self.map_version, self.expert_map = version, new_map
+        return RebalanceResult(version, [new_map.experts_of(w) for w in range(new_map.num_workers)])
+
+    def set_micro_batches(self, m: int) -> None:
+        """Changes how many micro-batches every attention worker splits its batch into, from the
+        next step on (the deployment keeps its processes, links and caches)."""
+        if not 1 <= m <= self.max_micro_batches:
+            raise ConfigError(f"micro_batches must be in 1..{self.max_micro_batches} (the links were sized "
+                              f"at start-up for micro_batches={self.max_micro_batches}), got {m}")
+        self._call(self.attention, SetMicroBatches(m), Ack)
+        self.micro_batches = m
+
+    # ---- introspection ------------------------------------------------------------------------
+    def worker_stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Every live worker's stats (``AttentionStats`` or ``ExpertStats``), asked for and awaited."""
+        got = self._call(self._live(), GetStats(), StatsReply, timeout)
+        for name, m in got.items():
+            self.stats_view.on_stats(name, m.stats)
+        return {name: m.stats for name, m in got.items()}
+
+    def traces(self, timeout: float = 10.0) -> dict[str, list[dict]]:
+        """Every live worker's trace events since the last call (numbered rows of one trace)."""
+        got = self._call(sorted(self._live()), GetTrace, TraceReply, timeout)
+        return {name: m.events for name, m in sorted(got.items())}
+
+    def write_trace(self, path: str) -> None:
+        write_chrome_trace(path, self.traces())
+
+    def stats(self) -> EngineStats:
+        return self.stats_view.snapshot()
+
+    def refresh_stats(self) -> None:
+        """Reads the workers' CPU time and asks every worker for its stats without waiting: the
+        replies land during ``get_outputs`` (no output is held back meanwhile)."""
+        self.stats_view.refresh({n: w.pid for n, w in self.workers.items() if not w.dead})
+        for w in self.workers.values():
+            w.send(GetStats())
+
+    def _who(self, name: str) -> str:
+        """``expert1 (pid 123)``; workers on other machines say which node too."""
+        return f"{name} ({self.workers[name].describe()})"
+
+
+def _names(name: str, text: str) -> bool:
+    import re
+
+    return re.search(rf"\b{name}\b", text) is not None

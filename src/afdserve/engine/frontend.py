@@ -1,0 +1,61 @@
+"""What every ``EngineClient`` does the same way, whatever runs the engine: validate and tokenize
+prompts, name requests, turn the engine's token ids into outputs (``OutputProcessor``) and abort the
+requests a stop string finished. A deployment supplies three calls: ``submit``, ``cancel``, ``poll``."""
+
+from __future__ import annotations
+
+import itertools
+
+from afdserve.engine.output_processor import OutputProcessor
+from afdserve.engine.outputs import RequestOutput, TokenOutput
+from afdserve.engine.prompt import PromptInput, validate_prompt
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.tokenizer import TokenizerInfo
+from afdserve.errors import RequestError
+
+
+class FrontEnd:
+    def __init__(self, tokenizer: TokenizerInfo | None, vocab_size: int, max_model_len: int, id_prefix: str = ""):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.outputs = OutputProcessor(tokenizer)
+        self._ids = itertools.count()
+        self._prefix = id_prefix
+
+    # ---- what a deployment supplies ---------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def poll(self, timeout: float) -> list[TokenOutput]:
+        raise NotImplementedError
+
+    # ---- the EngineClient calls ---------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        return validate_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
+
+    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        text, ids = self.tokenize(prompt)
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"{self._prefix}{next(self._ids)}"
+        if rid in self.outputs.live:
+            raise RequestError(f"duplicate request id {rid!r}")
+        self.submit(rid, ids, params)
+        self.outputs.add(rid, text, ids, params)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.outputs.live:
+            self.outputs.drop(request_id)
+            self.cancel(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.outputs.live)
+
+    def get_outputs(self, timeout: float = 0.0) -> list[RequestOutput]:
+        outs, stopped = self.outputs.process(self.poll(timeout))
+        for rid in stopped:
+            self.cancel(rid)
+        return outs

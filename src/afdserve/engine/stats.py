@@ -1,0 +1,49 @@
+"""What a deployment reports while serving: ``EngineStats`` snapshots (immutable; the server reads
+them from any thread), and the helpers the clients use to compute busy time."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from afdserve.balance.load import LoadSnapshot
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0  # in the engine's queues, plus accepted requests not yet handed to it
+    kv_usage: dict[str, float] = field(default_factory=dict)  # attention worker -> used fraction of its blocks
+    expert_tokens: list[list[int]] = field(default_factory=list)  # [layer][expert] tokens routed so far
+    expert_worker_tokens: dict[str, int] = field(default_factory=dict)  # expert worker -> tokens sent to it so far
+    busy_seconds: dict[str, float] = field(default_factory=dict)  # worker -> busy seconds so far
+    busy_fraction: dict[str, float] = field(default_factory=dict)  # worker -> busy share of the last interval
+    expert_load: LoadSnapshot | None = None  # the recent window (afdserve.balance), refreshed every interval
+    micro_batch_sizes: list[int] = field(default_factory=list)  # tokens of each micro-batch run since the last snapshot
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
+
+
+class BusyMeter:
+    """Turns cumulative busy seconds into the busy fraction of each interval between updates."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[float, float]] = {}
+        self.fraction: dict[str, float] = {}
+
+    def update(self, busy: dict[str, float], now: float) -> None:
+        for name, b in busy.items():
+            prev = self.last.get(name)
+            if prev is not None and now > prev[0]:
+                self.fraction[name] = min(1.0, max(0.0, (b - prev[1]) / (now - prev[0])))
+            self.last[name] = (now, b)

@@ -1,0 +1,67 @@
+"""The attention worker's work per micro-batch and layer (the profile's ``k1_tok``, ``k1_ctx``, ``k2``
+and the dispatch's cost per expert worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afdserve.profiling.loopback import LoopbackLinks
+from afdserve.profiling.parts import Checkpoint, attention_runner, decode_metadata, kv_cache
+from afdserve.profiling.timers import median_time
+from afdserve.runtime import ExpertMap, Tracer
+
+__all__ = ["measure_attention"]
+
+
+@torch.inference_mode()
+def measure_attention(
+    model_path: Path,
+    points: Sequence[tuple[int, int, int]],
+    repeats: int,
+    flush: Callable[[], None],
+    dtype: str = "float32",
+    block_size: int = 16,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[list[float]]:
+    """``[b, s, n_e, seconds]`` for each ``(b, s, n_e)`` of ``points``: one decode micro-batch of
+    ``b`` sequences with ``s`` tokens of context through one layer of the attention worker, in the
+    order ``PipelinedRunner`` runs it -- ``combine`` of the previous layer's expert results
+    (merge + ``post_moe``), ``pre_moe`` (attention over the paged ``KVCache`` + router) and
+    ``dispatch`` to ``n_e`` expert workers (per-worker token selection; the sends go to a
+    loop-back link).  ``flush`` (the cache eviction) runs before each call, where the worker would
+    wait for the expert workers.  Median over ``repeats`` calls cycling through the layers."""
+    ckpt = Checkpoint(model_path, dtype)
+    cfg, dt = ckpt.cfg, ckpt.dtype
+    model = ckpt.attention_model()
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for b, s, n_e in points:
+        s = max(2, min(int(s), cfg.max_position_embeddings - 1))
+        n_e = max(1, min(int(n_e), cfg.num_experts))
+        meta, blocks = decode_metadata(b, s, block_size)
+        kv = kv_cache(cfg, blocks, block_size, dt)
+        kv.k.normal_(0, 1, generator=gen)
+        kv.v.normal_(0, 1, generator=gen)
+        emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, n_e)
+        runner = attention_runner(model, kv, LoopbackLinks(cfg.hidden_size, dt), emap, Tracer("profile"))
+        x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
+        cos_sin = model.rotary.cos_sin(meta.positions, dt)
+        state: dict[str, Any] = {"n": 0, "flight": None}
+
+        def call() -> None:
+            lyr = state["n"] % cfg.num_layers
+            state["n"] += 1
+            if state["flight"] is not None:
+                runner.combine(0, (lyr - 1) % cfg.num_layers, state["flight"])
+            h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+            state["flight"] = runner.dispatch(0, lyr, h, y, ids, w)
+
+        call()  # warm-up (allocator, kernels)
+        t = median_time(call, repeats, flush)
+        out.append([float(b), float(s), float(n_e), t])
+        log(f"  attention b={b:<4} s={s:<5} n_e={n_e:<2} {t * 1e6:9.1f} us")
+    return out

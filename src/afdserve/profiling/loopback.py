@@ -1,0 +1,41 @@
+"""Loop-back links: the attention worker's links to its expert workers, without expert workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["LoopbackLinks"]
+
+
+class _Reply:
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def release(self) -> None:
+        pass
+
+
+class LoopbackLinks:
+    """Stands in for the runtime's ``Links``: a ``send`` is recorded (no copy; sends are measured
+    with the transport) and the matching ``recv`` returns zeros of the size the expert worker would
+    send back.  ``on_recv`` runs inside the recv, where the worker would wait for the experts."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, on_recv: Callable[[], None] | None = None):
+        self.hidden, self.dtype, self.on_recv = hidden, dtype, on_recv
+        self.pending: dict[int, list[int]] = {}
+
+    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
+        self.pending.setdefault(peer, []).append(int(tensors[0].shape[0]))
+
+    def recv(self, peer: int, timeout: float) -> _Reply:
+        n = self.pending[peer].pop(0)
+        if self.on_recv is not None:
+            self.on_recv()
+        return _Reply([torch.zeros(n, self.hidden, dtype=self.dtype)])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,14 @@
+"""The disaggregated runtime: attention and expert workers, the ping-pong pipeline between them,
+their M2N links, expert maps and traces. What other packages may use is listed here."""
+
+from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.expert_compute import ExpertCompute
+from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.links import Links, PeerFailure
+from afdserve.runtime.messages import AttentionStats, StepOutputs
+from afdserve.runtime.microbatch import MicroBatch, split
+from afdserve.runtime.pipeline import InFlight, PipelinedRunner
+from afdserve.runtime.trace import Span, Tracer
+
+__all__ = ["AttentionStats", "ControlChannel", "ExpertCompute", "ExpertMap", "InFlight", "Links", "MicroBatch",
+           "PeerFailure", "PipelinedRunner", "Span", "StepOutputs", "Tracer", "split"]

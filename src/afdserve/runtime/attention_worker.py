@@ -1,0 +1,116 @@
+"""An attention worker: the engine core over the attention half of the model, whose runner is the
+ping-pong pipeline to the expert workers. It reports new token ids and finish events only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from afdserve.balance.load import LoadTracker
+from afdserve.engine.builder import build_engine, load_attention_side
+from afdserve.engine.outputs import TokenOutput
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import CheckpointReader
+from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.links import Links, PeerFailure
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AttentionStats, Failed, GetStats, GetTrace,
+                                       SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap, ToWorker,
+                                       TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.pipeline import PipelinedRunner
+from afdserve.runtime.trace import Tracer, idle_span
+
+
+class AttentionWorker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        cfg = spec.config
+        torch.set_num_threads(cfg.num_threads or 1)
+        self.tracer = Tracer(spec.name, spec.trace)
+        path = Path(spec.model_path)
+        model_cfg = ModelConfig.from_pretrained(path)
+        self.links = Links.connect(spec, peers=[worker_name("expert", j) for j in range(spec.expert_map.num_workers)])
+        side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+            if cfg.gate == "attention" else None
+        self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
+                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
+        self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids))
+        self.failed: str | None = None
+
+    def serve(self, ctl: ControlChannel) -> None:
+        eng = self.engine
+        while True:
+            idle = not eng.has_unfinished()
+            t0 = time.time_ns()
+            if ctl.poll(0.05 if idle else 0):
+                while True:
+                    msg = ctl.recv()
+                    if isinstance(msg, Shutdown):
+                        return
+                    self._control(msg, ctl)
+                    if not ctl.poll(0):
+                        break
+            if idle:
+                if self.tracer.enabled and eng.has_unfinished():
+                    self.tracer.spans.append(idle_span(t0))
+                continue
+            try:
+                with self.tracer.span("step", step=self.runner.step_no + 1, m=self.runner.m) as span:
+                    outs = eng.step()
+                    span["tokens"] = eng.last_step.num_tokens
+            except PeerFailure as e:
+                self._fail_all(str(e), ctl)
+                continue
+            if outs:
+                ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
+
+    def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
+        name = self.spec.name
+        if isinstance(msg, AddRequest):
+            if self.failed:
+                ctl.send(StepOutputs(name, [_failed(msg.request_id, self.failed)], self._stats()))
+                return
+            try:
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            except Exception as e:  # validated by the front end already; report anyway
+                ctl.send(StepOutputs(name, [_failed(msg.request_id, f"{type(e).__name__}: {e}")], self._stats()))
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort(rid)
+        elif isinstance(msg, GetTrace):
+            ctl.send(TraceReply(name, self.tracer.events(msg.tid)))
+            self.tracer.spans.clear()
+        elif isinstance(msg, GetStats):
+            tracker = self.runner.tracker
+            ctl.send(StatsReply(name, self._stats(tracker.snapshot().to_json() if tracker is not None else None,
+                                                  self.links.transports())))
+        elif isinstance(msg, SetMicroBatches):  # between steps, like SwitchMap
+            self.runner.m = msg.m
+            ctl.send(Ack(name, msg.m))
+        elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
+            self.runner.set_map(msg.version, msg.expert_map)
+            ctl.send(Ack(name, msg.version))
+        else:
+            raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
+
+    def _stats(self, load: str | None = None, transports: dict[str, str] | None = None) -> AttentionStats:
+        eng = self.engine
+        return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
+                              eng.last_step.seconds, eng.last_step.num_tokens, self.runner.tokens_per_worker.tolist(),
+                              load, transports or {})
+
+    def _fail_all(self, reason: str, ctl: ControlChannel) -> None:
+        self.failed = reason
+        outs = [_failed(rid, reason) for rid in list(self.engine.seqs) if self.engine.abort(rid)]
+        ctl.send(Failed(self.spec.name, reason))
+        if outs:
+            ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
+
+    def close(self) -> None:
+        self.links.close()
+
+
+def _failed(request_id: str, reason: str) -> TokenOutput:
+    return TokenOutput(request_id, [], "abort", error=reason)

@@ -1,0 +1,111 @@
+"""An expert worker: this worker's share of the experts of every layer, run once per layer over the
+tokens that every attention worker sent (and, with the expert-side gate, the router too)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afdserve.balance.load import LoadTracker
+from afdserve.comm import PeerClosedError
+from afdserve.model.config import ModelConfig
+from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.model import ExpertModel, load_routers, regroup_experts
+from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.expert_compute import ExpertCompute
+from afdserve.runtime.links import Links, PeerFailure
+from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, Failed, GetStats, GetTrace, PrepareMap, Shutdown,
+                                       StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.trace import Tracer, idle_span
+
+
+class ExpertWorker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        cfg = spec.config
+        torch.set_num_threads(cfg.num_threads or 1)
+        self.tracer = Tracer(spec.name, spec.trace)
+        path = Path(spec.model_path)
+        model_cfg = ModelConfig.from_pretrained(path)
+        dtype = parse_dtype(cfg.dtype)
+        reader = CheckpointReader(path)
+        experts = ExpertModel.load(path, spec.expert_map.experts_of(spec.index), dtype, model_cfg, reader)
+        # JANUS: with the expert-side gate every expert worker computes the same routing
+        routers = load_routers(reader, model_cfg, dtype) if cfg.gate == "expert" else None
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+            if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
+        self.reader = reader
+        self.compute = ExpertCompute(experts, routers, spec.index, {0: spec.expert_map}, tracker)
+        self.links = Links.connect(spec, peers=[worker_name("attention", i) for i in range(cfg.attention_workers)])
+
+    def serve(self, ctl: ControlChannel) -> None:
+        while True:
+            t0 = time.time_ns()
+            try:
+                msgs = self.links.gather(0.05)
+            except PeerFailure as e:
+                if isinstance(e, PeerClosedError):  # an attention worker shut down first
+                    msgs = []
+                else:
+                    ctl.send(Failed(self.spec.name, str(e)))
+                    return
+            while ctl.poll(0):
+                msg = ctl.recv()
+                if isinstance(msg, Shutdown):
+                    return
+                self._control(msg, ctl)
+            if not msgs:
+                continue
+            if self.tracer.enabled:
+                self.tracer.spans.append(idle_span(t0))
+            try:
+                self._round(msgs)
+            except PeerFailure as e:
+                ctl.send(Failed(self.spec.name, str(e)))
+                return
+
+    def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
+        c, name = self.compute, self.spec.name
+        if isinstance(msg, GetTrace):
+            ctl.send(TraceReply(name, self.tracer.events(msg.tid)))
+            self.tracer.spans.clear()
+        elif isinstance(msg, GetStats):
+            load = c.tracker.snapshot().to_json() if c.tracker is not None else None
+            ctl.send(StatsReply(name, ExpertStats(c.tokens_per_expert.tolist(),
+                                                  [list(p.expert_ids) for p in c.experts.layers], load,
+                                                  self.links.transports())))
+        elif isinstance(msg, PrepareMap):  # hold the union of the current and the new map's experts
+            cur = [set(p.expert_ids) for p in c.experts.layers]
+            union = [sorted(a | set(b)) for a, b in zip(cur, msg.expert_map.experts_of(self.spec.index))]
+            c.experts = regroup_experts(c.experts, union, self.reader)
+            c.maps[msg.version] = msg.expert_map
+            ctl.send(Ack(name, msg.version))
+        elif isinstance(msg, CommitMap):  # every attention worker uses the new map: drop what it doesn't need
+            keep = c.maps[msg.version]
+            c.experts = regroup_experts(c.experts, keep.experts_of(self.spec.index), self.reader)
+            c.maps = {msg.version: keep}
+            ctl.send(Ack(name, msg.version))
+        else:
+            raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
+
+    def _round(self, msgs: list[tuple[int, Any]]) -> None:
+        """One message from each attention worker that sent one; tokens of a layer are merged."""
+        by_layer: dict[tuple[int, int], list[tuple[int, Any]]] = {}
+        for i, msg in msgs:  # merged per (layer, map version)
+            by_layer.setdefault((msg.meta.layer, msg.meta.tag), []).append((i, msg))
+        for (layer, _), group in by_layer.items():
+            mbs = sorted({m.meta.microbatch for _, m in group})
+            with self.tracer.span("expert", layer=layer, mb=mbs[0] if len(mbs) == 1 else str(mbs),
+                                  tokens=sum(m.tensors[0].shape[0] for _, m in group), senders=len(group)):
+                outs = self.compute.run(layer, [m.tensors for _, m in group], group[0][1].meta.tag)
+            with self.tracer.span("send", layer=layer):
+                for (i, msg), out in zip(group, outs):
+                    meta = msg.meta
+                    msg.release()
+                    self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0))
+
+    def close(self) -> None:
+        self.links.close()

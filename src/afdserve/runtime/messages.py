@@ -1,0 +1,185 @@
+"""Every message that crosses a process boundary between the front end and its workers, and their
+one encoding (``encode``/``decode``: pickle, protocol 5, of these dataclasses only).
+
+Front end -> worker: ``WorkerSpec`` (once, at start), ``AddRequest``, ``AbortRequests``, ``GetStats``,
+``GetTrace``, ``SetMicroBatches``, the three phases of re-placing experts (``PrepareMap`` on expert
+workers, ``SwitchMap`` on attention workers, ``CommitMap`` on expert workers), ``Shutdown``.
+Worker -> front end: ``Ready`` (health: the worker serves), ``StepOutputs`` (new token ids and finish
+events of one engine step, with the worker's stats), ``StatsReply``, ``TraceReply``, ``Ack`` (a
+control call took effect), ``Failed`` (a peer failed: the worker cannot serve), ``Crashed``.
+Token payloads between workers travel over the M2N library, not here.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Union
+
+from afdserve.config import EngineConfig
+from afdserve.engine.outputs import TokenOutput
+from afdserve.engine.sampling_params import SamplingParams
+from afdserve.errors import WorkerError
+from afdserve.runtime.expert_map import ExpertMap
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # "attention" | "expert"
+    index: int
+    config: EngineConfig
+    model_path: str
+    expert_map: ExpertMap
+    store: tuple[str, int]  # rendezvous store of the deployment's M2N group
+    group: str  # unique name of this deployment (shared-memory names, store keys)
+    eos_token_ids: frozenset[int] = frozenset()  # the front end's (model config + tokenizer)
+    trace: bool = False
+    comm: dict = field(default_factory=dict)  # CommConfig overrides
+
+    @property
+    def name(self) -> str:
+        return worker_name(self.role, self.index)
+
+
+def worker_name(role: str, index: int) -> str:
+    return f"{role}{index}"
+
+
+# ---- front end -> worker ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True)
+class GetTrace:
+    tid: int  # the worker's row in the merged trace
+
+
+@dataclass(frozen=True)
+class SetMicroBatches:
+    m: int
+
+
+@dataclass(frozen=True)
+class PrepareMap:
+    """Expert workers: hold the union of the current and the new map's experts."""
+
+    version: int
+    expert_map: ExpertMap
+
+
+@dataclass(frozen=True)
+class SwitchMap:
+    """Attention workers: dispatch with the new map from the next step on."""
+
+    version: int
+    expert_map: ExpertMap
+
+
+@dataclass(frozen=True)
+class CommitMap:
+    """Expert workers: every attention worker uses map ``version``; drop what it does not need."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- worker -> front end ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionStats:
+    running: int
+    waiting: int
+    kv_usage: float
+    step_seconds: float
+    step_tokens: int
+    tokens_per_expert_worker: list[int]
+    load: str | None = None  # LoadSnapshot JSON (on GetStats, when this worker routes)
+    transports: dict[str, str] = field(default_factory=dict)  # peer -> M2N transport (on GetStats)
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    tokens_per_expert: list[list[int]]  # [layer][expert + 1]: the last column counts pairs not its own
+    experts: list[list[int]]  # [layer] -> logical experts held
+    load: str | None = None
+    transports: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ready:
+    worker: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    worker: str
+    outputs: list[TokenOutput]
+    stats: AttentionStats
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    worker: str
+    stats: AttentionStats | ExpertStats
+
+
+@dataclass(frozen=True)
+class TraceReply:
+    worker: str
+    events: list[dict]
+
+
+@dataclass(frozen=True)
+class Ack:
+    worker: str
+    version: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Crashed:
+    worker: str
+    error: str
+    traceback: str
+
+
+ToWorker = Union[WorkerSpec, AddRequest, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap, SwitchMap,
+                 CommitMap, Shutdown]
+FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, Failed, Crashed]
+_TYPES = ToWorker.__args__ + FromWorker.__args__  # type: ignore[attr-defined]
+
+
+def encode(msg: ToWorker | FromWorker) -> bytes:
+    if not isinstance(msg, _TYPES):
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+    return pickle.dumps(msg, protocol=5)
+
+
+def decode(data: bytes) -> ToWorker | FromWorker:
+    msg = pickle.loads(data)
+    if not isinstance(msg, _TYPES):
+        raise WorkerError(f"unexpected control message {type(msg).__name__}")
+    return msg
