@@ -72,3 +72,25 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
                            do_sample=False, pad_token_id=0)
         outs.append(g[0, len(p):].tolist())
     return outs
+
+
+#: A chat template that declares tools (Hermes / Qwen 2.5 style, compact for the tiny tokenizer).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %}{{ t.function | tojson }}{% endfor %}"
+    "call as <tool_call>{...}</tool_call>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|assistant|>{{ m.content }}"
+    "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}\n"
+    "{% elif m.role == 'tool' %}<|tool|>{{ m.tool_call_id }}: {{ m.content }}\n"
+    "{% else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tool_checkpoint(path):
+    """A tiny Mixtral whose tokenizer_config.json has a chat template that declares tools."""
+    make_checkpoint(path, "mixtral", max_position_embeddings=2048)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": TOOL_TEMPLATE}))
+    return path

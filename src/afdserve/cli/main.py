@@ -23,6 +23,36 @@ COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help tells it already or there is none
+    (``None``, an on/off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if "default" in help or not _shown(action):
+            return help
+        return super()._get_help_string(action)
+
+
+def _shown(action: argparse.Action) -> bool:
+    """Whether a default says anything: not None, '' or an on/off flag's False."""
+    if action.default is None or action.default is argparse.SUPPRESS or action.default == "":
+        return False
+    return not isinstance(action.default, bool) or isinstance(action, argparse.BooleanOptionalAction)
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Uses ``HelpFormatter`` in ``parser`` and every sub-command parser under it; options without a
+    help text get one that shows their default."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                show_defaults(sub)
+        elif not action.help and action.option_strings and _shown(action):
+            action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="afdserve", description="Serve Mixture-of-Experts LLMs with "
                                      "disaggregated expert parallelism (attention and experts on separate workers).")
@@ -31,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(module)
         p = mod.add_parser(sub)
         p.set_defaults(func=mod.main)
+    show_defaults(parser)
     return parser
 
 

@@ -11,8 +11,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics). Default deployment: the built-in demo model, disaggregated "
-                    "on this machine (1 attention worker + 1 expert worker, 2 micro-batches); "
+                    "/v1/models, /tokenize, /detokenize, /version, /health, /metrics). Default deployment: the "
+                    "built-in demo model (random weights: its text is gibberish; --model serves a real Hugging Face "
+                    "folder), disaggregated on this machine (1 attention worker + 1 expert worker, 2 micro-batches); "
                     "--expert-workers 0 serves it colocated in this process.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -26,6 +27,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="SECONDS",
                    help="re-plan the expert placement from the recent load this often (default: only on "
                         "POST /admin/rebalance or `afdserve rebalance`)")
+    t = p.add_argument_group("chat and tool calling")
+    t.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (default: the tokenizer_config.json's chat_template)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto': read tool calls out of the generated text with --tool-call-parser")
+    t.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls: 'hermes' (<tool_call>{\"name\": ..., \"arguments\": "
+                        "...}</tool_call>, Hermes 2 Pro, Qwen 2.5 and later)")
     add_engine_args(p)
     p.set_defaults(expert_workers=1, micro_batches=2)
     return p
@@ -34,8 +43,17 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from afdserve.serving.server import ServerOptions, serve
 
+    try:  # ps/top show "afdserve: frontend" (the workers show their role)
+        import setproctitle
+
+        setproctitle.setproctitle("afdserve: frontend")
+    except Exception:
+        pass
     serve(engine_config(args), ServerOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                                              rebalance_interval_s=args.rebalance_interval,
                                              max_waiting_requests=args.max_waiting_requests,
-                                             log_level=args.log_level, access_log=args.access_log))
+                                             log_level=args.log_level, access_log=args.access_log,
+                                             chat_template=args.chat_template,
+                                             enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                             tool_call_parser=args.tool_call_parser))
     return 0

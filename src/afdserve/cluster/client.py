@@ -9,6 +9,7 @@ front end over typed control messages (``afdserve.runtime.messages``).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -36,6 +37,8 @@ from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, CommitMap
                                        GetTrace, PrepareMap, Ready, SetMicroBatches, Shutdown, StatsReply,
                                        StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
+
+log = logging.getLogger("afdserve.cluster")
 
 
 class ClusterClient(FrontEnd):
@@ -95,6 +98,8 @@ class ClusterClient(FrontEnd):
                     raise WorkerError(f"{self._who(name)} exited during start-up ({self.workers[name].exit_status()})")
                 if isinstance(msg, Ready):
                     pending.discard(name)
+                    log.info("worker %s ready (%d/%d)", self._who(name), len(self.workers) - len(pending),
+                             len(self.workers))
                 elif isinstance(msg, Crashed):
                     raise WorkerError(f"{self._who(name)} failed to start: {msg.error}\n{msg.traceback}")
 

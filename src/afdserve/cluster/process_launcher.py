@@ -97,16 +97,22 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+# ``python -c``, not ``-m afdserve.cluster.process_launcher``: the package imports this module, and runpy
+# warns when ``-m`` runs a module that its package already imported
+_CHILD = ("import sys; from afdserve.cluster.process_launcher import _child_main; "
+          "_child_main(sys.argv[1], int(sys.argv[2]))")
+
+
 def spawn_worker(spec: WorkerSpec) -> Launched:
-    """Starts ``python -m afdserve.cluster.process_launcher`` and hands it its spec over an authenticated
+    """Starts a Python process running ``_child_main`` and hands it its spec over an authenticated
     local socket (no re-import of the caller's ``__main__``, unlike multiprocessing's spawn)."""
     key = secrets.token_bytes(16)
     sock_dir = tempfile.mkdtemp(prefix="afdserve-")
     address = os.path.join(sock_dir, "ctl")
     with Listener(address, family="AF_UNIX", authkey=key) as listener:
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.config.num_threads or 1))
-        proc = subprocess.Popen([sys.executable, "-m", "afdserve.cluster.process_launcher", address, str(os.getpid())],
-                                stdin=subprocess.PIPE, env=env)
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, address, str(os.getpid())], stdin=subprocess.PIPE,
+                                env=env)
         assert proc.stdin is not None
         proc.stdin.write(key.hex().encode() + b"\n")
         proc.stdin.close()

@@ -11,9 +11,10 @@ import torch
 
 from afdserve.config import EngineConfig
 from afdserve.engine.colocated import ColocatedClient
-from afdserve.engine.engine import Engine
+from afdserve.engine.engine import Engine, Grammars
 from afdserve.engine.runner import LocalExperts, ModelRunner, Runner
 from afdserve.engine.scheduler import SchedulerConfig
+from afdserve.engine.structured_output import XGrammars
 from afdserve.engine.tokenizer import TokenizerInfo, load_tokenizer
 from afdserve.errors import ConfigError, ModelError
 from afdserve.kvcache.block_manager import BlockManager
@@ -84,10 +85,12 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size), max_len)
 
 
-def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_token_ids: set[int]) -> Engine:
-    """The engine core over ``side``, running batches through ``runner``."""
+def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_token_ids: set[int],
+                 grammars: Grammars | None = None) -> Engine:
+    """The engine core over ``side``, running batches through ``runner``; ``grammars`` enforce
+    structured outputs (``afdserve.engine.structured_output.XGrammars``)."""
     sched = SchedulerConfig(cfg.max_num_seqs, max(cfg.max_num_batched_tokens, 1))
-    return Engine(runner, side.blocks, sched, side.max_model_len, eos_token_ids)
+    return Engine(runner, side.blocks, sched, side.max_model_len, eos_token_ids, grammars)
 
 
 def build_colocated(cfg: EngineConfig) -> ColocatedClient:
@@ -98,5 +101,7 @@ def build_colocated(cfg: EngineConfig) -> ColocatedClient:
     side = load_attention_side(cfg, path, model_cfg, reader)
     experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader), cfg.load_window)
     tok = front_end_tokenizer(cfg, path, model_cfg)
-    engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids)
+    grammars = XGrammars(tok.tokenizer, model_cfg.vocab_size, tok.eos_token_ids)  # xgrammar loads on first use
+    engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids,
+                          grammars)
     return ColocatedClient(cfg, engine, tok, experts)

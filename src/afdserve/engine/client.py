@@ -35,6 +35,10 @@ class EngineClient(Protocol):
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Validates a prompt: (text, token ids), or RequestError. Read-only: safe from any thread."""
 
+    def check_params(self, params: SamplingParams) -> None:
+        """RequestError if ``params`` cannot be served by this model (token ids, structured outputs);
+        ``add_request`` checks this too. Read-only: safe from any thread."""
+
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str: ...
 

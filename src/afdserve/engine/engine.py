@@ -11,18 +11,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.runner import Runner
-from afdserve.engine.sampler import sample
+from afdserve.engine.sampler import SamplingInputs, position_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
 from afdserve.errors import RequestError
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.model.attention import AttnMetadata
+
+
+class Grammars(Protocol):
+    """Structured outputs on the engine that samples: one grammar matcher per constrained request."""
+
+    def add(self, seq: Sequence) -> None:
+        """Sets ``seq.grammar`` (the request's grammar, compiled once and cached); RequestError if invalid."""
+
+    def allowed(self, seqs: list[Sequence], vocab: int) -> torch.Tensor | None:
+        """[len(seqs), vocab] bool: the tokens each sequence's grammar allows next (all True for
+        sequences without one); None when no sequence has a grammar."""
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Advances ``seq``'s grammar by ``token``; True when the grammar is complete."""
+
+    def remove(self, seq: Sequence) -> None: ...
 
 
 @dataclass
@@ -35,29 +52,34 @@ class StepStats:
 
 class Engine:
     def __init__(self, runner: Runner, blocks: BlockManager, sched: SchedulerConfig, max_model_len: int,
-                 eos_token_ids: set[int]):
+                 eos_token_ids: set[int], grammars: Grammars | None = None):
         self.runner, self.blocks = runner, blocks
         self.scheduler = Scheduler(sched, blocks)
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.last_step = StepStats()
+        self.grammars = grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queues a validated prompt (``afdserve.engine.prompt.validate_prompt``)."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need the tokenizer on the worker that samples")
+            self.grammars.add(seq)  # compiles (cached) or raises RequestError
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drops a request and frees its KV blocks; False if it is not here (finished already)."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return False
         seq.finish_reason = seq.finish_reason or "abort"
-        self.scheduler.finish(seq)
+        self._finish(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -70,37 +92,69 @@ class Engine:
             self.last_step = StepStats()
             return []
         input_ids: list[int] = []
-        kv_slots, qlens, rows, sampled = [], [], [], []
+        kv_slots, qlens, rows, sampled, prompt_rows = [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
-            total = seq.num_computed + n
-            input_ids.extend(seq.tokens(seq.num_computed, total))
+            start, total = seq.num_computed, seq.num_computed + n
+            first_row = len(input_ids)
+            input_ids.extend(seq.tokens(start, total))
             kv_slots.append(self.blocks.slots(seq.seq_id, total))
             qlens.append(n)
+            if seq.params.prompt_logprobs is not None:  # row r predicts prompt token r + 1
+                done = len(seq.prompt_logprobs)  # positions already computed (before a preemption)
+                for pos in range(max(start, done), min(total, len(seq.prompt_token_ids) - 1)):
+                    prompt_rows.append((seq, first_row + pos - start, pos + 1))
             if batch.samples(i):
-                rows.append(len(input_ids) - 1)
-                sampled.append(seq)
+                sampled.append((seq, len(input_ids) - 1))
+        rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
         meta = AttnMetadata.build(qlens, kv_slots)
+        order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
         logits = self.runner.forward(torch.tensor(input_ids, dtype=torch.int64), meta,
-                                     torch.tensor(rows, dtype=torch.int64))
+                                     rows if order is None else rows[order])
+        if order is not None:
+            logits = torch.empty_like(logits).index_copy_(0, order, logits)
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
+        if prompt_rows:
+            lp = torch.log_softmax(logits[len(sampled):], dim=-1)
+            for j, (seq, _, pos) in enumerate(prompt_rows):
+                tok = seq.prompt_token_ids[pos]
+                seq.prompt_logprobs.append(position_logprobs(lp[j], tok, seq.params.prompt_logprobs or 0))
         outs = []
         if sampled:
-            tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
-            for seq, tok in zip(sampled, tokens):
-                self._append(seq, tok)
-                outs.append(TokenOutput(seq.request_id, [tok], seq.finish_reason, seq.stop_reason))
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
-                    del self.seqs[seq.request_id]
+            outs = self._sample(logits[: len(sampled)], [seq for seq, _ in sampled])
         num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - t0)
         return outs
 
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOutput]:
+        allowed = self.grammars.allowed(seqs, logits.shape[1]) if self.grammars is not None else None
+        tokens, logprobs = sample(logits, SamplingInputs(
+            [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
+        outs = []
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            first = not seq.output_token_ids
+            self._append(seq, tok)
+            outs.append(TokenOutput(seq.request_id, [tok], seq.finish_reason, seq.stop_reason,
+                                    logprobs=None if lp is None else [lp],
+                                    prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs
+                                    is not None else None))
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        return outs
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        del self.seqs[seq.request_id]
+        if self.grammars is not None and seq.grammar is not None:
+            self.grammars.remove(seq)
+
     def _append(self, seq: Sequence, tok: int) -> None:
         seq.output_token_ids.append(tok)
         p = seq.params
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        if seq.grammar is not None and self.grammars is not None and self.grammars.accept(seq, tok):
+            seq.finish_reason = "stop"  # the grammar is complete (or cannot go on)
+        elif not p.ignore_eos and tok in self.eos_token_ids:
             seq.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok

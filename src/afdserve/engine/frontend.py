@@ -10,6 +10,7 @@ from afdserve.engine.output_processor import OutputProcessor
 from afdserve.engine.outputs import RequestOutput, TokenOutput
 from afdserve.engine.prompt import PromptInput, validate_prompt
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.structured_output import validate_structured_outputs
 from afdserve.engine.tokenizer import TokenizerInfo
 from afdserve.errors import RequestError
 
@@ -35,27 +36,44 @@ class FrontEnd:
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         return validate_prompt(prompt, self.tokenizer, self.vocab_size, self.max_model_len)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What the sampling params need of this model: token ids in its vocabulary, a structured-output
+        spec that compiles (cached, so the engine's compile is a hit). RequestError otherwise."""
+        bad = sorted(t for t in params.token_ids_used() if t >= self.vocab_size)
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} in stop_token_ids / logit_bias are not in the vocabulary "
+                               f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs, self.tokenizer, self.vocab_size)
+
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         text, ids = self.tokenize(prompt)
         params = params or SamplingParams()
+        self.check_params(params)
         rid = request_id if request_id is not None else f"{self._prefix}{next(self._ids)}"
-        if rid in self.outputs.live:
+        if self.outputs.is_taken(rid):
             raise RequestError(f"duplicate request id {rid!r}")
-        self.submit(rid, ids, params)
-        self.outputs.add(rid, text, ids, params)
+        engine = self.outputs.add(rid, text, ids, params)
+        try:
+            for i, (eid, p) in enumerate(engine):
+                self.submit(eid, ids, p)
+        except BaseException:  # e.g. a failed deployment: nothing of the request stays queued
+            for eid, _ in engine[:i]:
+                self.cancel(eid)
+            self.outputs.drop(rid)
+            raise
         return rid
 
     def abort(self, request_id: str) -> None:
-        if request_id in self.outputs.live:
-            self.outputs.drop(request_id)
-            self.cancel(request_id)
+        for eid in self.outputs.drop(request_id):
+            self.cancel(eid)
 
     def has_unfinished(self) -> bool:
         return bool(self.outputs.live)
 
     def get_outputs(self, timeout: float = 0.0) -> list[RequestOutput]:
         outs, stopped = self.outputs.process(self.poll(timeout))
-        for rid in stopped:
-            self.cancel(rid)
+        for eid in stopped:
+            self.cancel(eid)
         return outs

@@ -1,19 +1,39 @@
 """The front end's half of a request's output: token ids in, text and vLLM-shaped outputs out.
 
-The engine core (or an attention worker) reports new token ids and finish events only. Here each
-request's tokens are detokenized incrementally, stop strings are matched (a hit finishes the
-request, and the caller aborts it in the engine, as vLLM's front end does), and the cumulative
-``RequestOutput`` is built once per step.
+The engine core (or an attention worker) reports new token ids, their log-probabilities when asked
+for, and finish events. Here each request's tokens are detokenized incrementally, stop strings are
+matched (a hit finishes the sequence, and the caller aborts it in the engine, as vLLM's front end
+does), log-probabilities get their token strings, the ``n`` sequences of a request (each its own
+engine request) are gathered into one output, and the cumulative ``RequestOutput`` is built once per
+step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from afdserve.engine.detokenizer import IncrementalDetokenizer
-from afdserve.engine.outputs import CompletionOutput, RequestOutput, TokenOutput
+from afdserve.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs,
+                                     TokenOutput)
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenizerInfo
+
+
+@dataclass
+class _Sequence:
+    """One of a request's ``n`` sequences."""
+
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                None if self.logprobs is None else list(self.logprobs), self.cumulative_logprob)
 
 
 @dataclass
@@ -21,55 +41,110 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     stop: list[str]
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    seqs: list[_Sequence]
+    engine_ids: list[str]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: TokenizerInfo | None):
         self.tokenizer = tokenizer.tokenizer if tokenizer is not None else None
         self.live: dict[str, _Request] = {}
+        self._seq_of: dict[str, tuple[str, int]] = {}  # engine request id -> (request id, sequence index)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
-        self.live[request_id] = _Request(prompt, prompt_token_ids, list(params.stop or []), detok)
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """Registers a request; returns the engine requests that run it: ``(id, params)``, one per
+        sequence (``n`` of them; with a seed, sequence i samples with ``seed + i``, as vLLM does)."""
+        if params.n == 1:
+            engine = [(request_id, params)]
+        else:
+            engine = [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+                      for i in range(params.n)]
+        seqs = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                          logprobs=[] if params.logprobs is not None else None,
+                          cumulative_logprob=0.0 if params.logprobs is not None else None) for _ in engine]
+        self.live[request_id] = _Request(prompt, prompt_token_ids, list(params.stop or []), seqs, [e for e, _ in engine])
+        for i, (eid, _) in enumerate(engine):
+            self._seq_of[eid] = (request_id, i)
+        return engine
 
-    def drop(self, request_id: str) -> None:
-        self.live.pop(request_id, None)
+    def is_taken(self, request_id: str) -> bool:
+        return request_id in self.live or request_id in self._seq_of
+
+    def drop(self, request_id: str) -> list[str]:
+        """Forgets a request; returns its engine requests that were still running."""
+        r = self.live.pop(request_id, None)
+        if r is None:
+            return []
+        for eid in r.engine_ids:
+            del self._seq_of[eid]
+        return [eid for eid, s in zip(r.engine_ids, r.seqs) if s.finish_reason is None]
 
     def process(self, outs: list[TokenOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """The outputs of the requests that progressed (one each, the latest) and the ids of the
+        """The outputs of the requests that progressed (one each, the latest) and the engine
         requests a stop string finished, which the engine must abort. Tokens of requests that are
         no longer live (finished or aborted meanwhile) are dropped."""
-        latest: dict[str, RequestOutput] = {}
+        changed: dict[str, _Request] = {}
         stopped: list[str] = []
         for o in outs:
-            r = self.live.get(o.request_id)
-            if r is None:
+            where = self._seq_of.get(o.request_id)
+            if where is None:
                 continue
-            finish, stop_reason = o.finish_reason, o.stop_reason
-            for i, tok in enumerate(o.new_token_ids):
-                r.token_ids.append(tok)
-                new = r.detok.step(tok)
-                r.text += new
-                last = i == len(o.new_token_ids) - 1
-                # a stop token or EOS ends the request before its text is matched (as when it is sampled)
-                if new and r.stop and not (last and finish == "stop"):
-                    hit = _find_stop(r.text, new, r.stop)
-                    if hit is not None:
-                        r.text = r.text[: hit[0]]
-                        finish, stop_reason = "stop", hit[1]
-                        if not (last and o.finished):
-                            stopped.append(o.request_id)  # the engine still runs it
-                        break
-            done = finish is not None
-            latest[o.request_id] = RequestOutput(
-                o.request_id, r.prompt, r.prompt_token_ids,
-                [CompletionOutput(0, r.text, list(r.token_ids), finish, stop_reason)], finished=done, error=o.error)
-            if done:
-                del self.live[o.request_id]
-        return list(latest.values()), stopped
+            rid, index = where
+            r = self.live[rid]
+            s = r.seqs[index]
+            if s.finish_reason is not None:
+                continue  # a stop string finished it; the abort is on its way
+            changed[rid] = r
+            if o.prompt_logprobs is not None and r.prompt_logprobs is None:
+                r.prompt_logprobs = [None] + [self._position(lp) for lp in o.prompt_logprobs]
+            if self._extend(r, s, o):
+                stopped.append(o.request_id)
+            if o.error is not None and r.error is None:
+                r.error = o.error
+        outputs = []
+        for rid, r in changed.items():
+            outputs.append(RequestOutput(rid, r.prompt, r.prompt_token_ids, [s.output(i) for i, s in enumerate(r.seqs)],
+                                         finished=r.finished, error=r.error, prompt_logprobs=r.prompt_logprobs))
+            if r.finished:
+                self.drop(rid)
+        return outputs, stopped
+
+    def _extend(self, r: _Request, s: _Sequence, o: TokenOutput) -> bool:
+        """Adds ``o``'s tokens to ``s``; True when a stop string finished it before the engine did."""
+        finish, stop_reason = o.finish_reason, o.stop_reason
+        for i, tok in enumerate(o.new_token_ids):
+            s.token_ids.append(tok)
+            if s.logprobs is not None and o.logprobs is not None:
+                s.logprobs.append(self._position(o.logprobs[i]))
+                s.cumulative_logprob = (s.cumulative_logprob or 0.0) + o.logprobs[i].logprob
+            new = s.detok.step(tok)
+            s.text += new
+            last = i == len(o.new_token_ids) - 1
+            # a stop token or EOS ends the sequence before its text is matched (as when it is sampled)
+            if new and r.stop and not (last and finish == "stop"):
+                hit = _find_stop(s.text, new, r.stop)
+                if hit is not None:
+                    s.text = s.text[: hit[0]]
+                    s.finish_reason, s.stop_reason = "stop", hit[1]
+                    return not (last and o.finished)  # else the engine still runs it
+        s.finish_reason, s.stop_reason = finish, stop_reason
+        return False
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, self._decode(lp.token_id))}
+        for rank, (tok, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            out.setdefault(tok, Logprob(value, rank, self._decode(tok)))
+        return out
+
+    def _decode(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _find_stop(text: str, new: str, stops: list[str]) -> tuple[int, str] | None:

@@ -7,6 +7,30 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position, as the engine core computes them (from the model's raw
+    logits, before penalties, temperature or masks): the chosen token's and the top alternatives'."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token log-probability entry (``CompletionOutput.logprobs[i][token_id]``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]  # the chosen token first, then the top alternatives by rank
+
+
+@dataclass
 class TokenOutput:
     """A request's progress in one engine step, as the engine core (or an attention worker) reports
     it: the tokens it sampled and, once it is done, why."""
@@ -16,6 +40,8 @@ class TokenOutput:
     finish_reason: str | None = None  # "stop" (EOS or a stop token), "length", "abort", or None while running
     stop_reason: int | None = None  # the stop token id that ended it
     error: str | None = None  # set when the request failed (a worker fault)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (with the first new token)
 
     @property
     def finished(self) -> bool:
@@ -29,6 +55,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per generated token, when asked for
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -39,3 +67,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first prompt token

@@ -1,28 +1,130 @@
-"""Turns the logits of a batch into next tokens, each row with its own sampling params."""
+"""Turns the logits of a batch into next tokens: one batched pass for all rows, each row with its own
+sampling params, with vLLM's definitions and order.
+
+1. log-probabilities for the rows that ask for them, from the raw logits (vLLM's default);
+2. the structured-output mask, then ``min_tokens`` (EOS and stop token ids masked), ``logit_bias``;
+3. penalties: repetition (tokens of prompt or output: positive logits divided, negative multiplied),
+   frequency (minus the count in the output times the penalty), presence (minus the penalty once);
+4. greedy rows take the argmax; the others: temperature, ``min_p``, top-k, top-p, then one draw each
+   (the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``: a row with a seed draws its noise
+   from its own generator, so its tokens do not depend on the rest of the batch).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from afdserve.engine.outputs import TokenLogprobs
 from afdserve.engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [S, V] float32. Greedy rows take the argmax; others sample with temperature, top-k, top-p."""
-    out = torch.argmax(logits, dim=-1).tolist()
+@dataclass
+class SamplingInputs:
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per row; needed for the repetition penalty
+    output_ids: list[list[int]] = field(default_factory=list)  # per row; penalties and min_tokens
+    eos_token_ids: set[int] = field(default_factory=set)  # masked with the stop token ids before min_tokens
+    allowed: torch.Tensor | None = None  # [S, V] bool: the structured-output mask (all True: no constraint)
+
+
+def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [S, V] float32. Returns the next token of each row and, for the rows whose params
+    ask for logprobs, their log-probabilities."""
+    params = inp.params
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw_lp = torch.log_softmax(logits[want], dim=-1) if want else None
+    logits = _processed(logits, inp)
+    tokens = torch.argmax(logits, dim=-1)
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    if rand:
+        tokens[rand] = _draw(logits[rand], [params[i] for i in rand], [inp.generators[i] for i in rand])
+    out = tokens.tolist()
+    lps: list[TokenLogprobs | None] = [None] * len(params)
+    if raw_lp is not None:
+        for row, i in enumerate(want):
+            lps[i] = position_logprobs(raw_lp[row], out[i], params[i].logprobs or 0)
+    return out, lps
+
+
+def position_logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``lp``: [V] log-probabilities; the chosen ``token``'s entry and the top ``k``."""
+    value = lp[token]
+    rank = int((lp > value).sum()) + 1
+    top = torch.topk(lp, k) if k else None
+    return TokenLogprobs(token, float(value), rank, top.indices.tolist() if top else [],
+                         top.values.tolist() if top else [])
+
+
+def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """Steps 2 and 3 (on a copy, only when a row needs them)."""
+    params, (num_rows, vocab) = inp.params, logits.shape
+    out = logits
+    if inp.allowed is not None:
+        out = out.masked_fill(~inp.allowed, float("-inf"))
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = cum - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        # a grammar decides when a constrained row may end (its mask then allows only EOS)
+        if p.min_tokens and len(inp.output_ids[i]) < p.min_tokens and p.structured_outputs is None:
+            stops = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else inp.eos_token_ids) if t < vocab]
+            if stops:
+                out = out.clone() if out is logits else out
+                out[i, stops] = float("-inf")
+        if p.logit_bias:
+            out = out.clone() if out is logits else out
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype)
+    rep = [p.repetition_penalty for p in params]
+    freq = [p.frequency_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    if any(r != 1.0 for r in rep) or any(freq) or any(pres):
+        counts = _counts(inp.output_ids, num_rows, vocab)
+        out = out.clone() if out is logits else out
+        if any(r != 1.0 for r in rep):
+            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab).bool()
+            r = torch.tensor(rep, dtype=out.dtype)[:, None].expand_as(out)
+            penalized = torch.where(out > 0, out / r, out * r)
+            out = torch.where(seen, penalized, out)
+        out -= torch.tensor(freq, dtype=out.dtype)[:, None] * counts
+        out -= torch.tensor(pres, dtype=out.dtype)[:, None] * (counts > 0)
     return out
+
+
+def _counts(ids: list[list[int]], rows: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32: how often each token occurs in each row's ids."""
+    counts = torch.zeros(rows, vocab, dtype=torch.float32)
+    lens = [len(x) for x in ids]
+    if sum(lens):
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
+        row = torch.repeat_interleave(torch.arange(rows), torch.tensor(lens))
+        counts.index_put_((row, flat), torch.ones(len(flat)), accumulate=True)
+    return counts
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits`` [R, V] (none of them greedy)."""
+    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < cut, float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < logits.shape[1] else logits.shape[1] for p in params]
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if min(top_k) < logits.shape[1] or bool((top_p < 1).any()):
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        pos = torch.arange(logits.shape[1])[None, :]
+        sorted_logits = sorted_logits.masked_fill(pos >= torch.tensor(top_k)[:, None], float("-inf"))
+        sorted_p = torch.softmax(sorted_logits, dim=-1)
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(gens) if g is not None]
+    if len(seeded) < len(gens):
+        noise.exponential_()
+    for i in seeded:
+        noise[i].exponential_(generator=gens[i])
+    return torch.argmax(probs / noise, dim=-1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afdserve.engine.outputs import TokenLogprobs
 from afdserve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -33,6 +34,8 @@ class Sequence:
     stop_reason: int | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.., as computed
+    grammar: object | None = None  # its structured-output matcher (afdserve.engine.structured_output)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

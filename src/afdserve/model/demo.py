@@ -43,6 +43,8 @@ __all__ = [
     "MIXTRAL_CHAT_TEMPLATE",
     "build_demo_model",
     "demo_model_path",
+    "demo_model_cached",
+    "demo_model_dir",
 ]
 
 #: Bump whenever the bytes written by ``build_demo_model`` change (it names the cache directory).
@@ -369,6 +371,16 @@ def build_demo_model(path: str | os.PathLike[str], seed: int = 0,
 def _cache_root() -> Path:
     env = os.environ.get("AFDSERVE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "afdserve"
+
+
+def demo_model_dir() -> Path:
+    """Where the embedded default model is (or will be built by ``demo_model_path``)."""
+    return _cache_root() / f"demo-model-v{DEMO_MODEL_VERSION}"
+
+
+def demo_model_cached() -> bool:
+    """Whether the embedded default model is built already (else ``demo_model_path`` builds it)."""
+    return demo_model_dir().is_dir()
 
 
 def demo_model_path() -> Path:

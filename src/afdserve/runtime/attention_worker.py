@@ -11,6 +11,7 @@ import torch
 from afdserve.balance.load import LoadTracker
 from afdserve.engine.builder import build_engine, load_attention_side
 from afdserve.engine.outputs import TokenOutput
+from afdserve.engine.structured_output import XGrammars
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
@@ -36,7 +37,9 @@ class AttentionWorker:
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
-        self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids))
+        # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
+        grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
+        self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids), grammars)
         self.failed: str | None = None
 
     def serve(self, ctl: ControlChannel) -> None:

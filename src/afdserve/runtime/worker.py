@@ -13,6 +13,12 @@ from afdserve.runtime.messages import Crashed, Ready, WorkerSpec
 
 
 def run_worker(spec: WorkerSpec, ctl: ControlChannel) -> None:
+    try:  # ps/top show the role: "afdserve: attention0"
+        import setproctitle
+
+        setproctitle.setproctitle(f"afdserve: {spec.name}")
+    except Exception:  # optional: a missing module only costs the title
+        pass
     worker: AttentionWorker | ExpertWorker | None = None
     try:
         worker = AttentionWorker(spec) if spec.role == "attention" else ExpertWorker(spec)

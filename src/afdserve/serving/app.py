@@ -26,8 +26,11 @@ from afdserve.serving.errors import ApiError, validation_error
 from afdserve.serving.generation import OpenAIServing
 from afdserve.serving.metrics import ServingMetrics
 from afdserve.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelList, RebalanceRequest,
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList, RebalanceRequest,
                                        RebalanceResponse)
+from afdserve.serving.tokenization import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
+                                           TokenizeRequest, TokenizeResponse, VersionResponse)
+from afdserve.serving.tools import ToolConfig
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -63,14 +66,16 @@ class _StatusMetrics:
             self.metrics.request(path if path in API_PATHS else "other", status)
 
 
-def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None,
+               tool_config: ToolConfig = ToolConfig()) -> FastAPI:
     metrics = ServingMetrics(engine.stats, lambda: engine.in_flight)
     engine.observer = metrics
     if chat_template is None:
         tok = engine.tokenizer
         chat_template = ChatTemplate(tok.chat_template if tok else None, tok.bos_token if tok else None,
                                      tok.eos_token if tok else None)
-    serving = OpenAIServing(engine, model_name, chat_template)
+    serving = OpenAIServing(engine, model_name, chat_template, tool_config)
+    tokenization = OpenAIServingTokenization(engine, model_name, chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,6 +120,28 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     async def models() -> ModelList:
         return serving.models()
 
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses={404: {"model": ErrorResponse, "description": "no such model"}})
+    async def model(model_id: str) -> ModelCard:
+        card = serving.models().data[0]
+        if model_id != card.id:
+            raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return card
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses={400: _ERRORS[400]})
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """A prompt, or chat messages rendered with the chat template, as token ids."""
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses={400: _ERRORS[400]})
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """Token ids as text (special tokens included)."""
+        return await tokenization.detokenize(body)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def server_version() -> VersionResponse:
+        return VersionResponse(version=version("afdserve"))
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS | _STREAM)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
@@ -154,8 +181,14 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
+            schemas = schema["components"]["schemas"]
             for name in ("CompletionRequest", "ChatCompletionRequest"):
-                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+                schemas[name]["properties"]["model"]["enum"] = [model_name]
+            for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
+                for option in schemas[name]["properties"]["model"]["anyOf"]:  # the name, or null
+                    if option.get("type") == "string":
+                        option["enum"] = [model_name]
+            schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = engine.vocab_size - 1
             app.openapi_schema = schema
         return app.openapi_schema
 

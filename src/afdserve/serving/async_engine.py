@@ -111,6 +111,7 @@ class _Track:
     stream: GenerationStream
     index: int
     arrival: float
+    sequences: int = 1  # the prompt's n
     tokens: int = 0
     last: float = 0.0
 
@@ -146,12 +147,17 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def failed(self) -> str | None:
         return self._failed
 
     @property
     def in_flight(self) -> int:
-        return len(self._tracks)
+        """Sequences accepted and not finished (a prompt with n > 1 counts n times)."""
+        return sum(tr.sequences for tr in self._tracks.values())
 
     def stats(self) -> EngineStats:
         return self._snapshot
@@ -159,6 +165,10 @@ class AsyncEngine:
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
         """Validates and tokenizes a prompt (read-only on the engine: safe from any thread)."""
         return self.engine.tokenize(prompt)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """RequestError if the model cannot serve ``params`` (read-only: safe from any thread)."""
+        self.engine.check_params(params)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -185,13 +195,15 @@ class AsyncEngine:
             raise EngineUnavailable(f"the deployment failed: {self._failed}")
         if self._closing or self._thread is None:
             raise EngineUnavailable("the server is not running")
-        if len(self._tracks) + len(prompts) > self.max_in_flight:
-            raise EngineOverloaded(f"{len(self._tracks)} requests in flight (at most {self.max_in_flight})")
+        in_flight = self.in_flight
+        if in_flight + len(prompts) * params.n > self.max_in_flight:
+            raise EngineOverloaded(f"{in_flight} sequences in flight, {len(prompts) * params.n} more asked for "
+                                   f"(at most {self.max_in_flight})")
         stream = GenerationStream(self, request_id, len(prompts))
         now = time.monotonic()
         for i, p in enumerate(prompts):
             rid = stream.engine_id(i)
-            self._tracks[rid] = _Track(stream, i, now)
+            self._tracks[rid] = _Track(stream, i, now, params.n)
             self._queue.put(("add", rid, {"prompt_token_ids": p.token_ids, "prompt": p.text}, params))
         return stream
 
@@ -212,7 +224,7 @@ class AsyncEngine:
             tr = self._tracks.get(out.request_id)
             if tr is None:
                 continue  # aborted meanwhile
-            n = len(out.outputs[0].token_ids) if out.outputs else 0
+            n = sum(len(c.token_ids) for c in out.outputs)
             if n > tr.tokens and obs:
                 if tr.tokens == 0:
                     obs.first_token(t - tr.arrival)

@@ -38,6 +38,8 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
     err = errors[0]
     kind = err.get("type", "")
     loc = [p for p in err.get("loc", ()) if p != "body"]
+    if loc and isinstance(loc[0], str) and loc[0][:1].isupper():  # the member of a union body, e.g. /tokenize's
+        loc = loc[1:]
     if kind == "json_invalid":
         return ApiError(400, "We could not parse the JSON body of your request. (HINT: This likely means you "
                         "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
@@ -57,7 +59,8 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
                     code="invalid_value")
 
 
-_NESTED_FIELDS = {"include_usage", "type", "text", "role", "content", "name"}
+_NESTED_FIELDS = {"include_usage", "type", "text", "role", "content", "name", "tool_calls", "tool_call_id", "id",
+                  "function", "arguments", "description", "parameters", "strict"}
 
 
 def _param(loc: list[Any]) -> str:

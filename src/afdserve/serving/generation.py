@@ -12,27 +12,31 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from afdserve.engine.outputs import RequestOutput
+from afdserve.engine.outputs import PositionLogprobs, RequestOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.errors import RequestError
 from afdserve.serving.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, GenerationStream, Prompt
-from afdserve.serving.chat import ChatTemplate
+from afdserve.serving.chat import ChatTemplate, template_messages
 from afdserve.serving.errors import ApiError
 from afdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from afdserve.serving.logprobs import chat_logprobs, completion_logprobs
+from afdserve.serving.sampling import sampling_params
+from afdserve.serving.tools import ToolConfig, ToolPlan, plan_tools
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 RETRY_AFTER_S = 1
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate):
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate,
+                 tool_config: ToolConfig = ToolConfig()):
         self.engine, self.model_name, self.chat_template = engine, model_name, chat_template
+        self.tool_config = tool_config
         self.created = int(time.time())
 
     def models(self) -> ModelList:
@@ -44,80 +48,89 @@ class OpenAIServing:
         self._check_common(req)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-        if req.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        if req.best_of not in (None, 1):
-            raise ApiError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
         prompts = self._completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         self._check_context(prompts, max_tokens, "prompt")
-        params = self._params(req, max_tokens)
+        k = req.logprobs
+        params = await self._checked(sampling_params(req, max_tokens, logprobs=k,
+                                                     prompt_logprobs=k if req.echo and k is not None else None))
         prefixes = [self._prompt_text(p) if req.echo else "" for p in prompts]
         stream = self._submit("cmpl", prompts, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(stream, self._completion_chunks(stream, prompts, params, prefixes, include_usage,
-                                                        bool(req.return_token_ids)))
+                                                        bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)))
         outs = await _final(stream, raw)
         if outs is None:
             return Response(status_code=499)
-        choices = [{"index": i, "text": prefixes[i] + o.outputs[0].text, "logprobs": None,
-                    "finish_reason": o.outputs[0].finish_reason}
-                   | ({"token_ids": o.outputs[0].token_ids} if req.return_token_ids else {})
-                   for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            for c in o.outputs:
+                choice: dict[str, Any] = {"index": i * params.n + c.index, "text": prefixes[i] + c.text,
+                                          "logprobs": None, "finish_reason": c.finish_reason}
+                if k is not None and c.logprobs is not None:
+                    ids, positions = c.token_ids, list(c.logprobs)
+                    if req.echo and o.prompt_logprobs is not None:
+                        ids, positions = o.prompt_token_ids + ids, list(o.prompt_logprobs) + positions
+                    choice["logprobs"] = completion_logprobs(ids, positions, k,
+                                                             as_ids=bool(req.return_tokens_as_token_ids))
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                choices.append(choice)
         return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                              "model": self.model_name, "choices": choices, "usage": _usage(prompts, outs)})
 
     # ---- /v1/chat/completions ------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_common(req)
-        if req.logprobs or req.top_logprobs is not None:
-            raise ApiError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        prompt = self._chat_prompt(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        tools = plan_tools(req.tools, req.tool_choice, self.chat_template, self.tool_config)
+        prompt = self._chat_prompt(req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.engine.max_model_len - len(prompt.token_ids) if limit is None else limit
         self._check_context([prompt], max_tokens, "messages")
-        params = self._params(req, max_tokens)
+        params = await self._checked(tools.constrain(sampling_params(req, max_tokens, logprobs=k)))
         stream = self._submit("chatcmpl", [prompt], params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(stream, self._chat_chunks(stream, prompt, params, include_usage, bool(req.return_token_ids)))
+            return _sse(stream, self._chat_chunks(stream, prompt, params, include_usage, bool(req.return_token_ids),
+                                                  tools, bool(req.return_tokens_as_token_ids)))
         outs = await _final(stream, raw)
         if outs is None:
             return Response(status_code=499)
-        o = outs[0].outputs[0]
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
-                                  "finish_reason": o.finish_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = o.token_ids
+        choices = []
+        for o in outs[0].outputs:
+            choice: dict[str, Any] = {"index": o.index, "message": {"role": "assistant", "content": o.text},
+                                      "logprobs": None, "finish_reason": o.finish_reason}
+            if k is not None and o.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(o.token_ids, o.logprobs, k, bool(req.return_tokens_as_token_ids))
+            if req.return_token_ids:
+                choice["token_ids"] = o.token_ids
+            tools.apply(choice, o.text)
+            choices.append(choice)
         return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice], "usage": _usage([prompt], outs)})
+                             "model": self.model_name, "choices": choices, "usage": _usage([prompt], outs)})
 
     # ---- request -> engine ---------------------------------------------------------------
     def _check_common(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.model != self.model_name:
             raise ApiError(400, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
                            param="model", code="model_not_found")
-        if req.n not in (None, 1):
-            raise ApiError(400, f"n={req.n} is not supported (only n=1)", param="n", code="unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise ApiError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_value")
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options",
                            code="invalid_value")
 
-    def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-        temperature = 1.0 if req.temperature is None else req.temperature
+    async def _checked(self, params: SamplingParams) -> SamplingParams:
+        """``params`` once the model can serve them (token ids in its vocabulary, a structured-output
+        spec that compiles: compiled off the event loop, and cached for the engine)."""
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p,
-                                  top_k=-1 if req.top_k is None else req.top_k, seed=req.seed, stop=req.stop,
-                                  ignore_eos=bool(req.ignore_eos))
+            await asyncio.to_thread(self.engine.check_params, params)
         except RequestError as e:
-            raise ApiError(400, str(e), param=_param_of(str(e)), code="invalid_value") from e
+            param = "structured_outputs" if str(e).startswith("structured outputs") else None
+            raise ApiError(400, str(e), param=param, code="invalid_value") from e
+        return params
 
     def _tokenize(self, prompt: str | dict, param: str) -> Prompt:
         try:
@@ -136,14 +149,13 @@ class OpenAIServing:
                            param="prompt", code="invalid_value")
         return [self._tokenize(p if isinstance(p, str) else {"prompt_token_ids": p}, "prompt") for p in items]
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> Prompt:
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> Prompt:
         tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = template_messages(req.messages)
         try:
-            text = self.chat_template.render(messages)
+            text = self.chat_template.render(messages, tools.tools if tools is not None else None)
         except RequestError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
         ids = tok.tokenizer.encode(text, add_special_tokens=False).ids  # the template adds BOS itself
@@ -175,76 +187,109 @@ class OpenAIServing:
 
     # ---- streams ---------------------------------------------------------------------------
     async def _completion_chunks(self, stream: GenerationStream, prompts: list[Prompt], params: SamplingParams,
-                                 prefixes: list[str], include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+                                 prefixes: list[str], include_usage: bool, token_ids: bool,
+                                 as_ids: bool = False) -> AsyncIterator[str]:
         base = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         usage_field = {"usage": None} if include_usage else {}
+        offsets: dict[int, int] = {}  # choice -> characters sent (for the logprobs' text offsets)
 
-        def chunk(i: int, text: str, finish: str | None, ids: list[int] | None) -> str:
-            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        def chunk(i: int, text: str, finish: str | None, ids: list[int] | None, logprobs: Any = None) -> str:
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
             if ids is not None:
                 choice["token_ids"] = ids
+            offsets[i] = offsets.get(i, 0) + len(text)
             return _event(base | {"choices": [choice]} | usage_field)
 
         for i, prefix in enumerate(prefixes):
-            if prefix:
-                yield chunk(i, prefix, None, [] if token_ids else None)
-        async for piece in _deltas(stream, params, token_ids):
-            if isinstance(piece, str):
-                yield piece
+            for j in range(params.n):
+                if prefix:
+                    yield chunk(i * params.n + j, prefix, None, [] if token_ids else None)
+        async for d in _deltas(stream, params, token_ids):
+            if isinstance(d, str):
+                yield d
                 return
-            i, text, finish, ids = piece
-            yield chunk(i, text, finish, ids)
+            lps = None
+            if params.logprobs is not None and d.positions:
+                lps = completion_logprobs(d.new_ids, d.positions, params.logprobs, offsets.get(d.index, 0), as_ids)
+            yield chunk(d.index, d.text, d.finish, d.new_ids if token_ids else None, lps)
         if include_usage:
             yield _event(base | {"choices": [], "usage": _usage(prompts, stream.latest)})
         yield "data: [DONE]\n\n"
 
     async def _chat_chunks(self, stream: GenerationStream, prompt: Prompt, params: SamplingParams,
-                           include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
+                           include_usage: bool, token_ids: bool, tools: ToolPlan | None = None,
+                           as_ids: bool = False) -> AsyncIterator[str]:
         base = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
         usage_field = {"usage": None} if include_usage else {}
 
-        def chunk(delta: dict, finish: str | None, ids: list[int] | None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def chunk(i: int, delta: dict, finish: str | None, ids: list[int] | None, logprobs: Any = None) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if ids is not None:
                 choice["token_ids"] = ids
             return _event(base | {"choices": [choice]} | usage_field)
 
-        yield chunk({"role": "assistant", "content": ""}, None, None)
-        async for piece in _deltas(stream, params, token_ids):
-            if isinstance(piece, str):
-                yield piece
+        for i in range(params.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        readers = {i: tools.stream() for i in range(params.n)} if tools is not None else {}
+        readers = {i: r for i, r in readers.items() if r is not None}
+        async for d in _deltas(stream, params, token_ids):
+            if isinstance(d, str):
+                yield d
                 return
-            _, text, finish, ids = piece
-            yield chunk({"content": text} if text or not finish else {}, finish, ids)
+            ids = d.new_ids if token_ids else None
+            lps = chat_logprobs(d.new_ids, d.positions, params.logprobs, as_ids) \
+                if params.logprobs is not None and d.positions else None
+            if readers:  # tool calls: content and calls apart
+                for delta, fin in readers[d.index].step(d.text, d.finish) or ([({}, None)] if ids or lps else []):
+                    yield chunk(d.index, delta, fin, ids, lps)
+                    ids, lps = ([] if ids is not None else None), None
+                continue
+            yield chunk(d.index, {"content": d.text} if d.text or not d.finish else {}, d.finish, ids, lps)
         if include_usage:
             yield _event(base | {"choices": [], "usage": _usage([prompt], stream.latest)})
         yield "data: [DONE]\n\n"
 
 
-async def _deltas(stream: GenerationStream, params: SamplingParams,
-                  token_ids: bool) -> AsyncIterator[tuple[int, str, str | None, list[int] | None] | str]:
-    """(prompt index, new text, finish reason, new token ids) as outputs arrive; on a failure, one
-    error event followed by ``[DONE]`` (as a string) ends it."""
+class Delta(NamedTuple):
+    index: int  # the choice: prompt index * n + sequence index
+    text: str
+    finish: str | None
+    new_ids: list[int]
+    positions: list[PositionLogprobs] | None  # the new tokens' log-probabilities, when asked for
+
+
+async def _deltas(stream: GenerationStream, params: SamplingParams, token_ids: bool) -> AsyncIterator[Delta | str]:
+    """What each choice gained as outputs arrive (new tokens alone count when their ids or
+    log-probabilities are sent); on a failure, one error event followed by ``[DONE]`` (as a string)
+    ends it."""
     stop = params.stop or []
     holdback = max((len(s) for s in stop), default=1) - 1
-    n = len(stream.latest)
-    sent_chars, sent_ids = [0] * n, [0] * n
+    sent_chars: dict[int, int] = {}
+    sent_ids: dict[int, int] = {}
+    done: set[int] = set()
     async for changed in stream:
         for i, out in changed:
             if out.error:
                 err = ApiError(503, f"generation failed: {out.error}", code="generation_failed")
                 yield _event(err.body().model_dump()) + "data: [DONE]\n\n"
                 return
-            comp = out.outputs[0]
-            visible = len(comp.text) if out.finished else max(sent_chars[i], len(comp.text) - holdback)
-            text = comp.text[sent_chars[i]:visible]
-            new_ids = comp.token_ids[sent_ids[i]:]
-            sent_chars[i], sent_ids[i] = max(sent_chars[i], visible), len(comp.token_ids)
-            finish = comp.finish_reason if out.finished else None
-            if text or finish or (token_ids and new_ids):
-                yield i, text, finish, (new_ids if token_ids else None)
+            for comp in out.outputs:
+                c = i * params.n + comp.index
+                if c in done:
+                    continue
+                chars, n_ids = sent_chars.get(c, 0), sent_ids.get(c, 0)
+                finish = comp.finish_reason
+                visible = len(comp.text) if finish else max(chars, len(comp.text) - holdback)
+                text = comp.text[chars:visible]
+                new_ids = comp.token_ids[n_ids:]
+                positions = comp.logprobs[n_ids:] if comp.logprobs is not None else None
+                sent_chars[c], sent_ids[c] = max(chars, visible), len(comp.token_ids)
+                if finish:
+                    done.add(c)
+                if text or finish or (new_ids and (token_ids or positions)):
+                    yield Delta(c, text, finish, new_ids, positions)
 
 
 def _sse(stream: GenerationStream, body: AsyncIterator[str]) -> StreamingResponse:
@@ -286,17 +331,9 @@ async def _disconnected(raw: Request) -> None:
 
 def _usage(prompts: list[Prompt], outs: list[RequestOutput | None]) -> dict[str, int]:
     p = sum(len(x.token_ids) for x in prompts)
-    c = sum(len(o.outputs[0].token_ids) for o in outs if o is not None and o.outputs)
+    c = sum(len(comp.token_ids) for o in outs if o is not None for comp in o.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed"):
-        if message.startswith(name):
-            return name
-    return None
-

@@ -36,6 +36,26 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="an EBNF grammar")
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completion and chat requests."""
 
@@ -51,11 +71,27 @@ class _SamplingFields(_Strict):
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # afdserve extensions (as in vLLM)
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(
         None, description="sample from the k most likely tokens (-1: all)")
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
+        None, description="drop tokens less likely than min_p times the most likely one")
+    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
+        None, description="divides positive / multiplies negative logits of tokens in the prompt or output")
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = Field(
+        None, description="tokens generated before EOS or a stop token id may end the output")
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the output")
     ignore_eos: bool | None = Field(False, description="keep generating after the end-of-sequence token")
     return_token_ids: bool | None = Field(False, description="also return the generated token ids of each choice")
+    return_tokens_as_token_ids: bool | None = Field(
+        False, description="name tokens in logprobs 'token_id:N' (decoded strings can coincide)")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="constrain the output (exactly one of json, json_object, regex, choice, grammar)")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name: structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older name: structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name: structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older name: structured_outputs.grammar")
 
 
 class CompletionRequest(_SamplingFields):
@@ -64,8 +100,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = 16
     echo: bool | None = False
     suffix: str | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5), INTEGRAL] | None = None
-    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
+    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(None, description="must equal n (as in vLLM)")
 
 
 class TextPart(_Strict):
@@ -73,10 +109,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text")
+
+
+class ToolCallParam(_Strict):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="assistant: the tool calls it made")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -86,8 +137,35 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON schema")
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: 'auto' with tools, else 'none'")
+    parallel_tool_calls: bool | None = None
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool | None = False
@@ -102,10 +180,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
     token_ids: list[int] | None = None
 
@@ -119,16 +218,28 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None
 
 
