@@ -166,7 +166,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
      "invalid_value", "messages[0].role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3000}]},
-     "invalid_prompt", "messages"),
+     "context_length_exceeded", "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 600},
      "context_length_exceeded", "messages"),
 ]

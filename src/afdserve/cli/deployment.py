@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="experts per expert worker, comma-separated (default: as even as possible)")
     d.add_argument("--comm-transport", default="auto", choices=["auto", "shm", "tcp", "torch"],
                    help="M2N transport between workers (auto: shared memory on one host, TCP across hosts)")
+    d.add_argument("--comm-timeout-ms", type=float, default=2000.0, metavar="MS",
+                   help="how long a worker waits for a peer (per 256 tokens in flight) before it counts it as failed")
     d.add_argument("--trace", default=None, metavar="PATH",
                    help="write a Chrome/Perfetto trace of every worker to PATH on shutdown")
     d.add_argument("--deployment", default=None, metavar="FILE",
@@ -45,6 +47,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
+              comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from afdserve.cli.deployment import add_engine_args, engine_config
 
@@ -11,7 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /detokenize, /version, /health, /metrics). Default deployment: the "
+                    "/v1/models, /tokenize, /detokenize, /version, /health, /ready, /metrics; /admin/* with "
+                    "--admin-token or --admin-port). Default deployment: the "
                     "built-in demo model (random weights: its text is gibberish; --model serves a real Hugging Face "
                     "folder), disaggregated on this machine (1 attention worker + 1 expert worker, 2 micro-batches); "
                     "--expert-workers 0 serves it colocated in this process.")
@@ -27,6 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="SECONDS",
                    help="re-plan the expert placement from the recent load this often (default: only on "
                         "POST /admin/rebalance or `afdserve rebalance`)")
+    e = p.add_argument_group("admin endpoints and limits")
+    e.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="serve /admin/* on the public port to clients that send 'Authorization: Bearer TOKEN' "
+                        "(default: $AFDSERVE_ADMIN_TOKEN; prefer it: a flag shows in ps). Without a token and "
+                        "without --admin-port there are no admin endpoints")
+    e.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve /admin/* on 127.0.0.1:PORT instead of the public port (with --admin-token, "
+                        "behind the token there too)")
+    e.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="larger request bodies get 413")
+    e.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, requests in flight get this long to finish; then streams end "
+                        "with an error event and [DONE]")
     t = p.add_argument_group("chat and tool calling")
     t.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (default: the tokenizer_config.json's chat_template)")
@@ -41,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    from afdserve.serving.edge import ADMIN_TOKEN_ENV
     from afdserve.serving.server import ServerOptions, serve
 
     try:  # ps/top show "afdserve: frontend" (the workers show their role)
@@ -55,5 +71,8 @@ def main(args: argparse.Namespace) -> int:
                                              log_level=args.log_level, access_log=args.access_log,
                                              chat_template=args.chat_template,
                                              enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                             tool_call_parser=args.tool_call_parser))
+                                             tool_call_parser=args.tool_call_parser,
+                                             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+                                             admin_port=args.admin_port, max_body_bytes=args.max_body_bytes,
+                                             shutdown_grace_s=args.shutdown_grace))
     return 0

@@ -13,13 +13,15 @@ import logging
 import os
 import secrets
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
 from afdserve.cluster.process_launcher import start_store
+from afdserve.cluster.supervisor import Membership
 from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import context_len, front_end_tokenizer, resolve_model
@@ -33,9 +35,9 @@ from afdserve.model.config import ModelConfig
 from afdserve.planner import attention_request_cost
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, CommitMap, Crashed, Failed, FromWorker, GetStats,
-                                       GetTrace, PrepareMap, Ready, SetMicroBatches, Shutdown, StatsReply,
-                                       StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec)
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, CommitMap, Crashed, FromWorker, GetStats,
+                                       GetTrace, PeerLost, PrepareMap, Ready, Regroup, SetMicroBatches, Shutdown,
+                                       StatsReply, StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
@@ -58,16 +60,20 @@ class ClusterClient(FrontEnd):
         self._launch = launch
         self._store = start_store(getattr(launch, "store_host", "127.0.0.1"))
         group = f"{os.getpid()}_{secrets.token_hex(3)}"
+        self.membership = Membership(group)
+        self.can_replace = bool(getattr(launch, "can_replace", True))  # a lost worker is replaced (else: fail)
         specs = [WorkerSpec(role, i, cfg, str(path), self.expert_map, self._store.addr, group,
                             frozenset(tok.eos_token_ids), trace=bool(cfg.trace))
                  for role, n in (("attention", cfg.attention_workers), ("expert", cfg.expert_workers))
                  for i in range(n)]
         self.attention = [s.name for s in specs if s.role == "attention"]
         self.experts = [s.name for s in specs if s.role == "expert"]
+        self.specs = {s.name: s for s in specs}
         self.workers: dict[str, Any] = {}  # name -> launched handle (ControlLink: send, ctl, dead, pid...)
         self.failed: str | None = None
         self.owner: dict[str, str] = {}  # request id -> attention worker
         self.lengths: dict[str, int] = {}  # request id -> tokens so far (for attention balance)
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> what to re-admit
         self.balancer = AttentionBalancer(self.attention, attention_request_cost(cfg.attention_cost)) \
             if cfg.attention_cost else AttentionBalancer(self.attention)
         self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
@@ -129,6 +135,7 @@ class ClusterClient(FrontEnd):
         self.balancer.add(target, request_id, len(prompt_token_ids))
         self.owner[request_id] = target
         self.lengths[request_id] = len(prompt_token_ids)
+        self.requests[request_id] = (prompt_token_ids, params)
         self.workers[target].send(AddRequest(request_id, prompt_token_ids, params))
 
     def cancel(self, request_id: str) -> None:
@@ -148,6 +155,7 @@ class ClusterClient(FrontEnd):
     def _release(self, request_id: str) -> str | None:
         target = self.owner.pop(request_id, None)
         self.lengths.pop(request_id, None)
+        self.requests.pop(request_id, None)
         if target is not None:
             self.balancer.remove(target, request_id)
         return target
@@ -156,7 +164,7 @@ class ClusterClient(FrontEnd):
         if msg is None:  # the control channel broke: the process is gone
             w = self.workers[name]
             w.wait(0.2)
-            return self._worker_died(name, f"{self._who(name)} died ({w.exit_status()})")
+            return self._lost(name, f"{self._who(name)} died ({w.exit_status()})")
         if isinstance(msg, StepOutputs):
             self.stats_view.on_step(name, msg.stats, self.micro_batches)
             for o in msg.outputs:
@@ -166,14 +174,53 @@ class ClusterClient(FrontEnd):
                     self.lengths[o.request_id] += len(o.new_token_ids)
                     self.balancer.update(name, o.request_id, self.lengths[o.request_id])
             return msg.outputs
-        if isinstance(msg, (Failed, Crashed)):
-            return self._worker_died(name if isinstance(msg, Crashed) else None,
-                                     msg.reason if isinstance(msg, Failed) else msg.error)
+        if isinstance(msg, Crashed):
+            return self._lost(name, msg.error)
+        if isinstance(msg, PeerLost):  # a report from an older epoch is about links already replaced
+            if msg.epoch < self.membership.epoch or msg.peer not in self.workers:
+                return []
+            return self._lost(msg.peer, f"{msg.worker} lost it: {msg.reason}")
+        if isinstance(msg, Ready) and msg.epoch == self.membership.epoch and self.membership.recovery is not None:
+            self.membership.ready(name)
         if isinstance(msg, StatsReply):
             self.stats_view.on_stats(name, msg.stats)
         return []
 
-    def _worker_died(self, name: str | None, reason: str) -> list[TokenOutput]:
+    def _lost(self, name: str, reason: str) -> list[TokenOutput]:
+        """A worker died, crashed or stalled past its peers' deadline: fence it and replace it in a new
+        membership epoch (``afdserve.cluster.supervisor``); requests go on. Where workers cannot be
+        replaced (Ray), or a replacement keeps dying before it is ready, every request fails instead."""
+        if self._closed or self.failed:
+            return []
+        if not self.can_replace:
+            return self._fail_all(name, reason)
+        if self.membership.state.get(name) == "restarting" and self.membership.start_failed(name):
+            return self._fail_all(name, f"{self._who(name)} could not be restarted: {reason}")
+        self.workers[name].kill()
+        survivors = [n for n in self.workers if n != name and self.membership.state.get(n) != "restarting"]
+        rec = self.membership.begin(name, reason, survivors)
+        group = self.membership.group_of(rec.epoch)
+        for n in sorted(rec.starting):  # replacements still starting are in an older epoch: start them anew
+            if n != name:
+                self.workers[n].kill()
+            spec = replace(self.specs[n], group=group, epoch=rec.epoch, expert_map=self.expert_map,
+                           map_version=self.map_version)
+            self.workers[n] = self._launch(spec)
+            if n in self.attention:
+                self._readmit(n)
+        for n in survivors:
+            self.workers[n].send(Regroup(rec.epoch, group))
+        return []
+
+    def _readmit(self, worker: str) -> None:
+        """Hands the requests of a lost attention worker to its replacement: prompt plus the tokens
+        already generated, recomputed (the front end has every token it sent on; none repeats)."""
+        for rid, owner in self.owner.items():
+            if owner == worker:
+                prompt, params = self.requests[rid]
+                self.workers[worker].send(AddRequest(rid, prompt, params, self.outputs.tokens_so_far(rid)))
+
+    def _fail_all(self, name: str | None, reason: str) -> list[TokenOutput]:
         """Fails every in-flight request with an error naming the failed worker."""
         remote = [n for n, w in self.workers.items() if getattr(w, "remote", False)
                   and (n == name or _names(n, reason)) and self._who(n) not in reason]
@@ -192,20 +239,21 @@ class ClusterClient(FrontEnd):
     def _live(self) -> list[str]:
         return [n for n, w in self.workers.items() if not w.dead]
 
-    def _receive(self, names: Any, timeout: float) -> list[tuple[str, FromWorker | None]]:
+    def _receive(self, names: Any, timeout: float) -> Iterator[tuple[str, FromWorker | None]]:
         """Messages that are ready from the workers ``names`` (waits up to ``timeout`` for the first);
-        ``None`` for a worker whose channel broke."""
-        by_fd = {self.workers[n].ctl.conn: n for n in names if not self.workers[n].dead}
-        got: list[tuple[str, FromWorker | None]] = []
-        for conn in wait(list(by_fd), timeout=timeout):
-            name, w = by_fd[conn], self.workers[by_fd[conn]]
-            while not w.dead and w.ctl.poll(0):
+        ``None`` for a worker whose channel broke. Read one at a time, so that nothing is read from a
+        worker that was replaced while an earlier message was handled."""
+        handles = {self.workers[n].ctl.conn: (n, self.workers[n]) for n in names if not self.workers[n].dead}
+        for conn in wait(list(handles), timeout=timeout):
+            name, w = handles[conn]
+            while self.workers.get(name) is w and not w.dead and w.ctl.poll(0):
                 try:
-                    got.append((name, w.ctl.recv()))  # type: ignore[arg-type]
+                    msg = w.ctl.recv()
                 except (EOFError, OSError):
-                    got.append((name, None))
                     w.dead = True
-        return got
+                    yield name, None
+                    break
+                yield name, msg  # type: ignore[misc]
 
     def _call(self, targets: list[str], msg: ToWorker | Callable[[int], ToWorker], reply: type,
               timeout: float = 120.0) -> dict[str, Any]:
@@ -286,7 +334,10 @@ class ClusterClient(FrontEnd):
         write_chrome_trace(path, self.traces())
 
     def stats(self) -> EngineStats:
-        return self.stats_view.snapshot()
+        m = self.membership
+        state = {n: "down" if self.failed and w.dead else m.state.get(n, "up") for n, w in self.workers.items()}
+        return replace(self.stats_view.snapshot(), workers=state, restarts=dict(m.restarts),
+                       last_failure=dict(m.last_failure))
 
     def refresh_stats(self) -> None:
         """Reads the workers' CPU time and asks every worker for its stats without waiting: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
 import secrets
@@ -22,6 +23,7 @@ from afdserve.runtime.messages import ToWorker, WorkerSpec
 from afdserve.runtime.worker import run_worker
 
 PR_SET_PDEATHSIG = 1
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="afdserve-spawn")
 
 
 class ControlLink:
@@ -70,6 +72,16 @@ class Launched(ControlLink):
         except subprocess.TimeoutExpired:
             pass
 
+    def kill(self) -> None:
+        """Fences the worker: SIGKILL (a stopped process too), reaped; its channel closed."""
+        self.dead = True
+        try:
+            self.process.kill()
+            self.process.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.ctl.close()
+
     def join(self, timeout: float) -> None:
         try:
             self.process.wait(timeout)
@@ -111,8 +123,10 @@ def spawn_worker(spec: WorkerSpec) -> Launched:
     address = os.path.join(sock_dir, "ctl")
     with Listener(address, family="AF_UNIX", authkey=key) as listener:
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.config.num_threads or 1))
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, address, str(os.getpid())], stdin=subprocess.PIPE,
-                                env=env)
+        # started from one long-lived thread: the child's PR_SET_PDEATHSIG fires when the *thread*
+        # that forked it ends, and a replacement may be launched from a short-lived caller thread
+        proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-c", _CHILD, address, str(os.getpid())],
+                               stdin=subprocess.PIPE, env=env).result()
         assert proc.stdin is not None
         proc.stdin.write(key.hex().encode() + b"\n")
         proc.stdin.close()

@@ -109,9 +109,11 @@ class RayLaunched(ControlLink):
 
 class RayLauncher:
     """``launch(spec) -> RayLaunched`` for ``ClusterClient``, plus ``prepare`` (reserve the placement
-    group and start every actor at once) and ``close`` (release everything)."""
+    group and start every actor at once) and ``close`` (release everything). A lost actor is not
+    replaced yet (the deployment fails, naming it and its node)."""
 
     remote = True
+    can_replace = False
 
     def __init__(self, cfg: Any, spec: DeploymentSpec | None = None, address: str | None = None,
                  host: str | None = None):

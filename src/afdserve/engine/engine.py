@@ -10,7 +10,7 @@ built, differs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -61,15 +61,23 @@ class Engine:
         self.last_step = StepStats()
         self.grammars = grammars
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queues a validated prompt (``afdserve.engine.prompt.validate_prompt``)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queues a validated prompt (``afdserve.engine.prompt.validate_prompt``). ``output_token_ids``:
+        tokens a request already generated elsewhere (a re-admitted request): recomputed with the
+        prompt, then counted as output (max_tokens, penalties, its grammar)."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        if output_token_ids and params.prompt_logprobs is not None:
+            params = replace(params, prompt_logprobs=None)  # reported with the first token already
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=time.monotonic(),
+                       output_token_ids=list(output_token_ids or []))
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need the tokenizer on the worker that samples")
             self.grammars.add(seq)  # compiles (cached) or raises RequestError
+            for tok in seq.output_token_ids:  # a re-admitted request's grammar is where it was
+                self.grammars.accept(seq, tok)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 

@@ -64,7 +64,8 @@ class OutputProcessor:
         if params.n == 1:
             engine = [(request_id, params)]
         else:
-            engine = [(f"{request_id}#{i}", replace(params, n=1, seed=None if params.seed is None else params.seed + i))
+            engine = [(f"{request_id}#{i}",
+                       replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**64))
                       for i in range(params.n)]
         seqs = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                           logprobs=[] if params.logprobs is not None else None,
@@ -73,6 +74,11 @@ class OutputProcessor:
         for i, (eid, _) in enumerate(engine):
             self._seq_of[eid] = (request_id, i)
         return engine
+
+    def tokens_so_far(self, engine_id: str) -> list[int]:
+        """The tokens an engine request has produced and this front end has taken in."""
+        rid, index = self._seq_of[engine_id]
+        return list(self.live[rid].seqs[index].token_ids)
 
     def is_taken(self, request_id: str) -> bool:
         return request_id in self.live or request_id in self._seq_of

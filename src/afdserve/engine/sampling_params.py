@@ -104,8 +104,8 @@ class SamplingParams:
             if any(not is_int(t) or t < 0 or not finite(b) for t, b in self.logit_bias.items()):
                 raise RequestError("logit_bias maps token ids (integers >= 0) to finite numbers")
             self.logit_bias = {int(t): max(-100.0, min(100.0, float(b))) for t, b in self.logit_bias.items()}
-        if self.seed is not None and not is_int(self.seed):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,9 @@ class EngineStats:
     busy_fraction: dict[str, float] = field(default_factory=dict)  # worker -> busy share of the last interval
     expert_load: LoadSnapshot | None = None  # the recent window (afdserve.balance), refreshed every interval
     micro_batch_sizes: list[int] = field(default_factory=list)  # tokens of each micro-batch run since the last snapshot
+    workers: dict[str, str] = field(default_factory=dict)  # worker -> "up" | "down" | "restarting" (colocated: none)
+    restarts: dict[str, int] = field(default_factory=dict)  # worker -> restarts so far
+    last_failure: dict[str, str] = field(default_factory=dict)  # worker -> why it last failed
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -20,7 +20,8 @@ class TokenizerInfo:
     chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        # encode_batch releases the GIL while it works (encode does not): other threads go on
+        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

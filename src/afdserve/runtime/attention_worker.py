@@ -15,10 +15,10 @@ from afdserve.engine.structured_output import XGrammars
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.links import Links, PeerFailure
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AttentionStats, Failed, GetStats, GetTrace,
-                                       SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap, ToWorker,
-                                       TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.links import Links, PeerFailure, regroup
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AttentionStats, GetStats, GetTrace, PeerLost,
+                                       Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
+                                       ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
 from afdserve.runtime.trace import Tracer, idle_span
 
@@ -31,21 +31,24 @@ class AttentionWorker:
         self.tracer = Tracer(spec.name, spec.trace)
         path = Path(spec.model_path)
         model_cfg = ModelConfig.from_pretrained(path)
-        self.links = Links.connect(spec, peers=[worker_name("expert", j) for j in range(spec.expert_map.num_workers)])
+        self.peers = [worker_name("expert", j) for j in range(spec.expert_map.num_workers)]
+        self.links = Links.connect(spec, peers=self.peers)
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
+        self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
         self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids), grammars)
-        self.failed: str | None = None
+        self.waiting_for_regroup = False  # a peer was lost: no step until the links are new
+        self.epoch = spec.epoch  # membership epoch of the links
 
     def serve(self, ctl: ControlChannel) -> None:
         eng = self.engine
         while True:
-            idle = not eng.has_unfinished()
+            idle = not eng.has_unfinished() or self.waiting_for_regroup
             t0 = time.time_ns()
             if ctl.poll(0.05 if idle else 0):
                 while True:
@@ -63,8 +66,9 @@ class AttentionWorker:
                 with self.tracer.span("step", step=self.runner.step_no + 1, m=self.runner.m) as span:
                     outs = eng.step()
                     span["tokens"] = eng.last_step.num_tokens
-            except PeerFailure as e:
-                self._fail_all(str(e), ctl)
+            except PeerFailure as e:  # the step did not happen: it runs again once the links are new
+                self.waiting_for_regroup = True
+                ctl.send(PeerLost(self.spec.name, e.peer, str(e), self.epoch))
                 continue
             if outs:
                 ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
@@ -72,11 +76,8 @@ class AttentionWorker:
     def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
         name = self.spec.name
         if isinstance(msg, AddRequest):
-            if self.failed:
-                ctl.send(StepOutputs(name, [_failed(msg.request_id, self.failed)], self._stats()))
-                return
             try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
             except Exception as e:  # validated by the front end already; report anyway
                 ctl.send(StepOutputs(name, [_failed(msg.request_id, f"{type(e).__name__}: {e}")], self._stats()))
         elif isinstance(msg, AbortRequests):
@@ -92,6 +93,9 @@ class AttentionWorker:
         elif isinstance(msg, SetMicroBatches):  # between steps, like SwitchMap
             self.runner.m = msg.m
             ctl.send(Ack(name, msg.m))
+        elif isinstance(msg, Regroup):  # a peer was replaced: new links, same weights, caches and requests
+            self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl)
+            self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg.version, msg.expert_map)
             ctl.send(Ack(name, msg.version))
@@ -103,13 +107,6 @@ class AttentionWorker:
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, self.runner.tokens_per_worker.tolist(),
                               load, transports or {})
-
-    def _fail_all(self, reason: str, ctl: ControlChannel) -> None:
-        self.failed = reason
-        outs = [_failed(rid, reason) for rid in list(self.engine.seqs) if self.engine.abort(rid)]
-        ctl.send(Failed(self.spec.name, reason))
-        if outs:
-            ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
 
     def close(self) -> None:
         self.links.close()

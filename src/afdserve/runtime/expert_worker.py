@@ -10,15 +10,14 @@ from typing import Any
 import torch
 
 from afdserve.balance.load import LoadTracker
-from afdserve.comm import PeerClosedError
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, regroup_experts
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.expert_compute import ExpertCompute
-from afdserve.runtime.links import Links, PeerFailure
-from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, Failed, GetStats, GetTrace, PrepareMap, Shutdown,
-                                       StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.links import Links, PeerFailure, regroup
+from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
+                                       Shutdown, StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.trace import Tracer, idle_span
 
 
@@ -38,21 +37,22 @@ class ExpertWorker:
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
-        self.compute = ExpertCompute(experts, routers, spec.index, {0: spec.expert_map}, tracker)
-        self.links = Links.connect(spec, peers=[worker_name("attention", i) for i in range(cfg.attention_workers)])
+        self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker)
+        self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
+        self.links = Links.connect(spec, peers=self.peers)
+        self.waiting_for_regroup = False  # a peer was lost: nothing to gather until the links are new
+        self.epoch = spec.epoch  # membership epoch of the links
 
     def serve(self, ctl: ControlChannel) -> None:
         while True:
             t0 = time.time_ns()
-            try:
-                msgs = self.links.gather(0.05)
-            except PeerFailure as e:
-                if isinstance(e, PeerClosedError):  # an attention worker shut down first
-                    msgs = []
-                else:
-                    ctl.send(Failed(self.spec.name, str(e)))
-                    return
-            while ctl.poll(0):
+            msgs = []
+            if not self.waiting_for_regroup:
+                try:
+                    msgs = self.links.gather(0.05)
+                except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
+                    self._lost(e, ctl)
+            while ctl.poll(0 if not self.waiting_for_regroup else 0.05):
                 msg = ctl.recv()
                 if isinstance(msg, Shutdown):
                     return
@@ -64,8 +64,11 @@ class ExpertWorker:
             try:
                 self._round(msgs)
             except PeerFailure as e:
-                ctl.send(Failed(self.spec.name, str(e)))
-                return
+                self._lost(e, ctl)
+
+    def _lost(self, e: PeerFailure, ctl: ControlChannel) -> None:
+        self.waiting_for_regroup = True
+        ctl.send(PeerLost(self.spec.name, e.peer, str(e), self.epoch))
 
     def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
         c, name = self.compute, self.spec.name
@@ -77,6 +80,9 @@ class ExpertWorker:
             ctl.send(StatsReply(name, ExpertStats(c.tokens_per_expert.tolist(),
                                                   [list(p.expert_ids) for p in c.experts.layers], load,
                                                   self.links.transports())))
+        elif isinstance(msg, Regroup):  # a peer was replaced: new links, same experts
+            self.links = regroup(self.links, self.spec, self.peers, msg, ctl)
+            self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, PrepareMap):  # hold the union of the current and the new map's experts
             cur = [set(p.expert_ids) for p in c.experts.layers]
             union = [sorted(a | set(b)) for a, b in zip(cur, msg.expert_map.experts_of(self.spec.index))]

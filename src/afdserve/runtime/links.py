@@ -6,12 +6,15 @@ registered slots and arrive as views that the caller releases.
 
 from __future__ import annotations
 
+import os
+
 from typing import Sequence
 
 import torch
 
 from afdserve.comm import CommConfig, Communicator, Message, Meta, PeerError, PeerTimeoutError
-from afdserve.runtime.messages import WorkerSpec
+from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.messages import Ready, Regroup, WorkerSpec
 
 
 PeerFailure = PeerError  # a peer died, closed or stalled past the deadline; the message names it
@@ -38,14 +41,15 @@ class Links:
         self.comm, self.peers = comm, list(peers)
 
     @classmethod
-    def connect(cls, spec: WorkerSpec, peers: Sequence[str]) -> "Links":
+    def connect(cls, spec: WorkerSpec, peers: Sequence[str], group: str | None = None) -> "Links":
+        """Links to ``peers`` in the deployment's M2N group (``group``: of a later membership epoch)."""
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
         cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max_micro_batches(spec.config.micro_batches) + 1,
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **spec.comm)
-        comm = Communicator(spec.name, store, cfg, group=spec.group)
+        comm = Communicator(spec.name, store, cfg, group=group or spec.group)
         comm.connect(send_to=peers, recv_from=peers)
         return cls(comm, peers)
 
@@ -89,3 +93,12 @@ def _td(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
+
+
+def regroup(links: Links, spec: WorkerSpec, peers: Sequence[str], msg: Regroup, ctl: ControlChannel) -> Links:
+    """A worker's part of a membership change: close the old links, connect in the new epoch's group,
+    say so (``Ready(worker, pid, epoch)``)."""
+    links.close()
+    new = Links.connect(spec, peers, group=msg.group)
+    ctl.send(Ready(spec.name, os.getpid(), msg.epoch))
+    return new

@@ -3,10 +3,12 @@ one encoding (``encode``/``decode``: pickle, protocol 5, of these dataclasses on
 
 Front end -> worker: ``WorkerSpec`` (once, at start), ``AddRequest``, ``AbortRequests``, ``GetStats``,
 ``GetTrace``, ``SetMicroBatches``, the three phases of re-placing experts (``PrepareMap`` on expert
-workers, ``SwitchMap`` on attention workers, ``CommitMap`` on expert workers), ``Shutdown``.
+workers, ``SwitchMap`` on attention workers, ``CommitMap`` on expert workers), ``Regroup`` (a worker
+was replaced: new M2N links), ``Shutdown``.
 Worker -> front end: ``Ready`` (health: the worker serves), ``StepOutputs`` (new token ids and finish
 events of one engine step, with the worker's stats), ``StatsReply``, ``TraceReply``, ``Ack`` (a
-control call took effect), ``Failed`` (a peer failed: the worker cannot serve), ``Crashed``.
+control call took effect), ``PeerLost`` (a peer died or stalled: waiting for a ``Regroup``),
+``Crashed``.
 Token payloads between workers travel over the M2N library, not here.
 """
 
@@ -33,6 +35,8 @@ class WorkerSpec:
     store: tuple[str, int]  # rendezvous store of the deployment's M2N group
     group: str  # unique name of this deployment (shared-memory names, store keys)
     eos_token_ids: frozenset[int] = frozenset()  # the front end's (model config + tokenizer)
+    epoch: int = 0  # membership epoch it starts in (a replacement's is > 0)
+    map_version: int = 0  # version of expert_map (re-placed experts while serving)
     trace: bool = False
     comm: dict = field(default_factory=dict)  # CommConfig overrides
 
@@ -51,6 +55,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,16 @@ class CommitMap:
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """The deployment's membership changed (a worker was replaced): connect the M2N links anew, in
+    group ``group`` (one per membership epoch, so a fenced process can never rejoin), keeping
+    everything else (weights, KV cache, requests); then ``Ack(worker, epoch)``."""
+
+    epoch: int
+    group: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -124,8 +139,11 @@ class ExpertStats:
 
 @dataclass(frozen=True)
 class Ready:
+    """The worker serves, with links of membership epoch ``epoch`` (at start, or after a ``Regroup``)."""
+
     worker: str
     pid: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,9 +172,14 @@ class Ack:
 
 
 @dataclass(frozen=True)
-class Failed:
+class PeerLost:
+    """``peer`` died or stalled past the deadline: this worker waits for a ``Regroup`` (its
+    requests and caches kept; an attention worker then runs the interrupted step again)."""
+
     worker: str
+    peer: str
     reason: str
+    epoch: int  # the membership epoch of the links that failed (older than the front end's: stale)
 
 
 @dataclass(frozen=True)
@@ -167,8 +190,8 @@ class Crashed:
 
 
 ToWorker = Union[WorkerSpec, AddRequest, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap, SwitchMap,
-                 CommitMap, Shutdown]
-FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, Failed, Crashed]
+                 CommitMap, Regroup, Shutdown]
+FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Crashed]
 _TYPES = ToWorker.__args__ + FromWorker.__args__  # type: ignore[attr-defined]
 
 

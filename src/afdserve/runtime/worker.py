@@ -22,7 +22,7 @@ def run_worker(spec: WorkerSpec, ctl: ControlChannel) -> None:
     worker: AttentionWorker | ExpertWorker | None = None
     try:
         worker = AttentionWorker(spec) if spec.role == "attention" else ExpertWorker(spec)
-        ctl.send(Ready(spec.name, os.getpid()))
+        ctl.send(Ready(spec.name, os.getpid(), spec.epoch))
         worker.serve(ctl)
     except BaseException as e:  # report to the front end; it decides what fails
         try:

@@ -7,38 +7,50 @@ thread and shuts the engine (and its worker processes) down.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from importlib.metadata import version
-
-from afdserve.errors import AfdServeError, ConfigError
+from afdserve.serving.admin import admin_router
 from afdserve.serving.async_engine import AsyncEngine
 from afdserve.serving.chat import ChatTemplate
-from afdserve.serving.errors import ApiError, validation_error
+from afdserve.serving.edge import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from afdserve.serving.errors import ApiError, install_error_handlers
 from afdserve.serving.generation import OpenAIServing
 from afdserve.serving.metrics import ServingMetrics
+from afdserve.serving.openapi import limit_schema
 from afdserve.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelCard, ModelList, RebalanceRequest,
-                                       RebalanceResponse)
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from afdserve.serving.tokenization import (DetokenizeRequest, DetokenizeResponse, OpenAIServingTokenization,
                                            TokenizeRequest, TokenizeResponse, VersionResponse)
 from afdserve.serving.tools import ToolConfig
 
 API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+HEALTH_TIMEOUT_S = 10.0  # /health fails when the engine loop has not turned for this long
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
+    413: {"model": ErrorResponse, "description": "the body is larger than the server accepts"},
     429: {"model": ErrorResponse, "description": "overloaded (see Retry-After)"},
     503: {"model": ErrorResponse, "description": "the deployment failed or is shutting down"},
 }
+_BODY_ERRORS = {k: _ERRORS[k] for k in (400, 413)}
 _STREAM = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream"}}
+_UNAVAILABLE: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse, "description": "not now"}}
+
+
+class HealthResponse(BaseModel):
+    status: str
+
+
+class ReadyResponse(BaseModel):
+    status: str
+    workers: dict[str, str]  # worker -> up | down | restarting (empty for the colocated engine)
 
 
 class _StatusMetrics:
@@ -67,8 +79,12 @@ class _StatusMetrics:
 
 
 def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None,
-               tool_config: ToolConfig = ToolConfig()) -> FastAPI:
-    metrics = ServingMetrics(engine.stats, lambda: engine.in_flight)
+               tool_config: ToolConfig = ToolConfig(), *, admin_token: str | None = None,
+               num_experts: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
+    """The public API. The admin endpoints are on it only with ``admin_token`` (then behind
+    ``Authorization: Bearer``); ``admin.create_admin_app`` serves them on a listener of their own."""
+    metrics = ServingMetrics(engine.stats, lambda: engine.in_flight, lambda: engine.heartbeat_age)
     engine.observer = metrics
     if chat_template is None:
         tok = engine.tokenizer
@@ -88,33 +104,37 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     app = FastAPI(title="afdserve", version=version("afdserve"),
                   description="OpenAI-compatible API of an afdserve MoE deployment", lifespan=lifespan)
     app.state.metrics, app.state.engine = metrics, engine
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(_StatusMetrics, metrics=metrics)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = ApiError(exc.status_code, str(exc.detail))
-        resp = err.response()
-        for k, v in (exc.headers or {}).items():
-            resp.headers[k] = v
-        return resp
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
-
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
+    def alive() -> None:
+        """503 unless the engine loop turns (the deployment may still be starting workers)."""
         if engine.failed:
-            return ApiError(503, f"the deployment failed: {engine.failed}", code="unavailable").response()
-        return JSONResponse({"status": "ok"})
+            raise ApiError(503, f"the deployment failed: {engine.failed}", code="unavailable")
+        age = engine.heartbeat_age
+        if age > health_timeout_s:
+            raise ApiError(503, "the engine loop is not running" if age == float("inf") else
+                           f"the engine loop has not turned for {age:.1f} s", code="unavailable")
+
+    @app.get("/health", response_model=HealthResponse, responses=_UNAVAILABLE)
+    async def health() -> HealthResponse:
+        """Liveness: the engine loop turns (a heartbeat) and the deployment has not failed."""
+        alive()
+        return HealthResponse(status="ok")
+
+    @app.get("/ready", response_model=ReadyResponse, responses=_UNAVAILABLE)
+    async def ready() -> ReadyResponse:
+        """Readiness: alive, not shutting down, and every worker up."""
+        alive()
+        if engine.closing:
+            raise ApiError(503, "the server is shutting down", code="unavailable")
+        workers = dict(engine.stats().workers)
+        down = {w: s for w, s in sorted(workers.items()) if s != "up"}
+        if down:
+            raise ApiError(503, "workers not up: " + ", ".join(f"{w} {s}" for w, s in down.items()),
+                           code="unavailable")
+        return ReadyResponse(status="ready", workers=workers)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -128,12 +148,12 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
             raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
         return card
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses={400: _ERRORS[400]})
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_BODY_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """A prompt, or chat messages rendered with the chat template, as token ids."""
         return await tokenization.tokenize(body)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses={400: _ERRORS[400]})
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_BODY_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """Token ids as text (special tokens included)."""
         return await tokenization.detokenize(body)
@@ -150,45 +170,20 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.post("/admin/rebalance", response_model=RebalanceResponse, responses=_ERRORS)
-    async def rebalance(body: RebalanceRequest | None = None) -> Response:
-        """Moves expert weights to a placement planned from the recent load, while serving."""
-        body = body or RebalanceRequest()
-        try:
-            res = await engine.call(lambda eng: eng.rebalance(slots_per_worker=body.slots_per_worker,
-                                                              planner=body.planner))
-        except ConfigError as e:  # e.g. a deployment without expert workers
-            return ApiError(400, str(e)).response()
-        except (AfdServeError, ValueError) as e:
-            return ApiError(409, str(e), code="rebalance_failed").response()
-        return JSONResponse(RebalanceResponse(version=res.version,
-                                              experts_per_worker=res.experts_per_worker).model_dump())
+    if admin_token:
+        app.include_router(admin_router(engine, num_experts, admin_token))
 
-    @app.get("/admin/expert-load")
-    async def expert_load() -> Response:
-        """The per-layer expert load snapshot (tokens per expert, co-activation) as JSON."""
-        snap = await engine.call(lambda eng: eng.expert_load())
-        if snap is None or snap.steps == 0:
-            return ApiError(404, "no expert load recorded yet: serve some requests first").response()
-        return Response(snap.to_json(), media_type="application/json")
-
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's schema, with the one model this server serves as the ``model`` enum."""
+        """FastAPI's schema, with this deployment's limits (``openapi.limit_schema``)."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            schemas = schema["components"]["schemas"]
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                schemas[name]["properties"]["model"]["enum"] = [model_name]
-            for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
-                for option in schemas[name]["properties"]["model"]["anyOf"]:  # the name, or null
-                    if option.get("type") == "string":
-                        option["enum"] = [model_name]
-            schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = engine.vocab_size - 1
+            limit_schema(schema, model_name, engine.vocab_size, engine.max_in_flight, num_experts)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -6,7 +6,12 @@ thread-safe queue, then asks the client for outputs, then hands them to the even
 ``call_soon_threadsafe``. It never waits on HTTP: each request keeps only its *latest* output
 (outputs are cumulative), so a slow client costs memory for one output, not a queue, and never a
 stall. When nothing runs, the thread blocks on its queue for at most ``idle_poll_s`` (then lets the
-client take in what its workers reported).
+client take in what its workers reported). Every turn of its loop is a heartbeat: ``heartbeat_age``
+tells a stuck engine (a step or a call that does not return) from an idle one.
+
+Shutting down: ``drain`` refuses new requests, gives those in flight a grace period, then ends the
+rest with an ``unavailable`` error (streams send it as an error event); ``close`` stops the thread
+and the deployment.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from afdserve.engine.stats import EngineStats
 from afdserve.engine.tokenizer import TokenizerInfo
 
 log = logging.getLogger("afdserve.serving")
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class EngineOverloaded(Exception):
@@ -64,6 +70,7 @@ class GenerationStream:
         self._changed: set[int] = set()
         self._event = asyncio.Event()
         self.error: str | None = None
+        self.error_code = "generation_failed"  # "unavailable" when the server ended it (shutting down)
 
     def engine_id(self, index: int) -> str:
         return f"{self.request_id}-{index}"
@@ -133,6 +140,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failed: str | None = None
+        self._beat = time.monotonic()  # the engine thread's last turn
         self._closing = False
         self._closed = False
         self._stats_failed = False
@@ -155,6 +163,17 @@ class AsyncEngine:
         return self._failed
 
     @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine thread last went round its loop (inf once it is gone)."""
+        if self._thread is None or not self._thread.is_alive():
+            return float("inf")
+        return max(0.0, time.monotonic() - self._beat)
+
+    @property
     def in_flight(self) -> int:
         """Sequences accepted and not finished (a prompt with n > 1 counts n times)."""
         return sum(tr.sequences for tr in self._tracks.values())
@@ -173,6 +192,7 @@ class AsyncEngine:
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="afdserve-engine", daemon=True)
         self._thread.start()
 
@@ -185,8 +205,20 @@ class AsyncEngine:
         self._queue.put(("stop",))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
-        self._fail_all("the server is shutting down")
+        self._fail_all(SHUTTING_DOWN, "unavailable")
         await asyncio.to_thread(self.engine.shutdown)
+
+    async def drain(self, grace_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
+        """Refuses new requests, waits up to ``grace_s`` (or until ``hurry()``) for those in flight, then
+        ends the rest with an ``unavailable`` error. Call it on the event loop when the server starts
+        shutting down."""
+        self._closing = True
+        deadline = time.monotonic() + grace_s
+        while self._tracks and time.monotonic() < deadline and self.heartbeat_age < float("inf") and not hurry():
+            await asyncio.sleep(0.05)
+        if self._tracks:
+            log.info("ending %d request(s) still in flight: the server is shutting down", len(self._tracks))
+            self._fail_all(SHUTTING_DOWN, "unavailable")
 
     # ---- requests (event loop thread) ----------------------------------------------------
     def submit(self, request_id: str, prompts: Sequence[Prompt], params: SamplingParams) -> GenerationStream:
@@ -194,7 +226,7 @@ class AsyncEngine:
         if self._failed:
             raise EngineUnavailable(f"the deployment failed: {self._failed}")
         if self._closing or self._thread is None:
-            raise EngineUnavailable("the server is not running")
+            raise EngineUnavailable(SHUTTING_DOWN if self._closing else "the server is not running")
         in_flight = self.in_flight
         if in_flight + len(prompts) * params.n > self.max_in_flight:
             raise EngineOverloaded(f"{in_flight} sequences in flight, {len(prompts) * params.n} more asked for "
@@ -239,7 +271,9 @@ class AsyncEngine:
                     obs.finished(reason or "error", t - tr.arrival)
             tr.stream._push(tr.index, out)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, code: str = "generation_failed") -> None:
+        for tr in self._tracks.values():
+            tr.stream.error_code = code
         self._deliver([_error_output(rid, reason) for rid in list(self._tracks)], time.monotonic())
 
     # ---- the engine thread ---------------------------------------------------------------
@@ -250,6 +284,7 @@ class AsyncEngine:
         next_rebalance = time.monotonic() + every if every else float("inf")
         try:
             while True:
+                self._beat = time.monotonic()
                 busy = eng.has_unfinished()
                 wait = None if busy else min(self.idle_poll_s, max(0.0, next_refresh - time.monotonic()))
                 outs: list[RequestOutput] = []

@@ -1,34 +1,69 @@
-"""Errors as OpenAI reports them: a status code and ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors as OpenAI reports them: a status code and ``{"error": {"message", "type", "param", "code"}}``;
+``install_error_handlers`` makes every error of an app (validation, HTTP, unexpected) one of these."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afdserve.serving.protocol import ErrorInfo, ErrorResponse
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that renders any string, even one with a lone surrogate (escaped as ``\\udXXX``)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 class ApiError(Exception):
     """An error to answer with; ``retry_after`` (seconds) adds a Retry-After header."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None, type: str | None = None):
+                 retry_after: int | None = None, type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = str(retry_after)
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+        return SafeJSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers or None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
 
 
 def validation_error(errors: Sequence[Any]) -> ApiError:

@@ -1,9 +1,12 @@
 """The completion and chat-completion endpoints: a validated request becomes engine prompts and
 sampling params, then a JSON response or a server-sent-event stream of chunks.
 
-Streams send each prompt's new text as it is generated; with stop strings they hold back the
-last ``max(len(stop)) - 1`` characters until they are known not to start a stop string. A client
-that disconnects aborts its prompts at once (their KV blocks are freed by the next engine step).
+Prompts are tokenized (and chat templates rendered) in a worker thread: a long prompt does not hold
+up the event loop, so other streams go on meanwhile. Streams send each prompt's new text as it is
+generated; with stop strings they hold back the last ``max(len(stop)) - 1`` characters until they
+are known not to start a stop string. A client that disconnects aborts its prompts at once (their
+KV blocks are freed by the next engine step); a stream the server ends (a failed deployment, a
+shutdown) sends one error event, then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from afdserve.serving.errors import ApiError
 from afdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from afdserve.serving.logprobs import chat_logprobs, completion_logprobs
 from afdserve.serving.sampling import sampling_params
+from afdserve.serving.tokenization import encode
 from afdserve.serving.tools import ToolConfig, ToolPlan, plan_tools
 
 RETRY_AFTER_S = 1
@@ -48,7 +52,7 @@ class OpenAIServing:
         self._check_common(req)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         self._check_context(prompts, max_tokens, "prompt")
         k = req.logprobs
@@ -87,7 +91,7 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
         k = (req.top_logprobs or 0) if req.logprobs else None
         tools = plan_tools(req.tools, req.tool_choice, self.chat_template, self.tool_config)
-        prompt = self._chat_prompt(req, tools)
+        prompt = await asyncio.to_thread(self._chat_prompt, req, tools)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.engine.max_model_len - len(prompt.token_ids) if limit is None else limit
         self._check_context([prompt], max_tokens, "messages")
@@ -132,14 +136,26 @@ class OpenAIServing:
             raise ApiError(400, str(e), param=param, code="invalid_value") from e
         return params
 
-    def _tokenize(self, prompt: str | dict, param: str) -> Prompt:
+    def _tokenize(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> Prompt:
+        """A prompt, validated (slow for long ones: call it in a worker thread)."""
+        tok = self.engine.tokenizer
+        engine_prompt: str | dict = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        if isinstance(prompt, str) and prompt and tok is not None:
+            ids = encode(tok, prompt, add_special_tokens)
+            if len(ids) >= self.engine.max_model_len:  # before the engine checks every one of them
+                raise ApiError(400, f"prompt has {len(ids)} tokens; the model's context is {self.engine.max_model_len} "
+                               "tokens (prompt + at least one generated token must fit)", param=param,
+                               code="context_length_exceeded")
+            engine_prompt = {"prompt_token_ids": ids, "prompt": prompt}
         try:
-            text, ids = self.engine.tokenize(prompt)
+            text, ids = self.engine.tokenize(engine_prompt)
         except RequestError as e:
-            raise ApiError(400, str(e), param=param, code="invalid_prompt") from e
+            too_long = str(e).startswith("prompt has")  # more tokens than the context
+            raise ApiError(400, str(e), param=param,
+                           code="context_length_exceeded" if too_long else "invalid_prompt") from e
         return Prompt(text, ids)
 
-    def _completion_prompts(self, prompt: str | list) -> list[Prompt]:
+    async def _completion_prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
             items: list = [prompt]
         else:
@@ -147,9 +163,11 @@ class OpenAIServing:
         if len(items) > self.engine.max_in_flight:
             raise ApiError(400, f"{len(items)} prompts in one request; at most {self.engine.max_in_flight}",
                            param="prompt", code="invalid_value")
-        return [self._tokenize(p if isinstance(p, str) else {"prompt_token_ids": p}, "prompt") for p in items]
+        return await asyncio.to_thread(
+            lambda: [self._tokenize(p, "prompt") for p in items])
 
     def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan | None = None) -> Prompt:
+        """The rendered, tokenized messages (slow for long ones: call it in a worker thread)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
@@ -158,8 +176,7 @@ class OpenAIServing:
             text = self.chat_template.render(messages, tools.tools if tools is not None else None)
         except RequestError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-        ids = tok.tokenizer.encode(text, add_special_tokens=False).ids  # the template adds BOS itself
-        return self._tokenize({"prompt_token_ids": ids, "prompt": text}, "messages")
+        return self._tokenize(text, "messages", add_special_tokens=False)  # the template adds BOS itself
 
     def _check_context(self, prompts: list[Prompt], max_tokens: int, param: str) -> None:
         limit = self.engine.max_model_len
@@ -272,8 +289,7 @@ async def _deltas(stream: GenerationStream, params: SamplingParams, token_ids: b
     async for changed in stream:
         for i, out in changed:
             if out.error:
-                err = ApiError(503, f"generation failed: {out.error}", code="generation_failed")
-                yield _event(err.body().model_dump()) + "data: [DONE]\n\n"
+                yield _event(_failure(stream, out.error).body().model_dump()) + "data: [DONE]\n\n"
                 return
             for comp in out.outputs:
                 c = i * params.n + comp.index
@@ -318,8 +334,14 @@ async def _final(stream: GenerationStream, raw: Request) -> list[RequestOutput] 
     if not result.done() or result.cancelled():
         return None
     if stream.error:
-        raise ApiError(503, f"generation failed: {stream.error}", code="generation_failed")
+        raise _failure(stream, stream.error)
     return result.result()
+
+
+def _failure(stream: GenerationStream, error: str) -> ApiError:
+    if stream.error_code == "unavailable":  # the server ended it
+        return ApiError(503, error, code="unavailable")
+    return ApiError(503, f"generation failed: {error}", code=stream.error_code)
 
 
 async def _disconnected(raw: Request) -> None:

@@ -2,7 +2,8 @@
 
 Request metrics are recorded as requests progress (the ``Observer`` of ``AsyncEngine`` and the
 HTTP status middleware); deployment metrics are read from the engine thread's latest
-``EngineStats`` snapshot at scrape time, the recent expert load (tokens per expert per step,
+``EngineStats`` snapshot at scrape time (with each worker's state, restarts and last failure), the
+engine loop's heartbeat age, the recent expert load (tokens per expert per step,
 imbalance per layer) by ``afdserve.balance.metrics.ExpertLoadCollector``. Each server has its own
 registry.
 """
@@ -24,12 +25,21 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.
 MICRO_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+WORKER_STATES = ("up", "down", "restarting")
+
+
 class _Snapshot(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
-        self.stats, self.in_flight = stats, in_flight
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int],
+                 heartbeat_age: Callable[[], float] | None = None):
+        self.stats, self.in_flight, self.heartbeat_age = stats, in_flight, heartbeat_age
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
+        if self.heartbeat_age is not None:
+            age = self.heartbeat_age()
+            yield GaugeMetricFamily("afdserve_engine_heartbeat_age_seconds", "Seconds since the engine loop last "
+                                    "turned (+Inf once it stopped)", value=age)
+        yield from _workers(s)
         yield GaugeMetricFamily("afdserve_num_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("afdserve_num_requests_waiting", "Requests waiting to be scheduled", value=s.waiting)
         yield GaugeMetricFamily("afdserve_num_requests_in_flight", "Requests (prompts) accepted and not finished",
@@ -61,10 +71,31 @@ class _Snapshot(Collector):
         yield bf
 
 
+def _workers(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Each worker's state, restarts and last failure (none for the colocated engine)."""
+    up = GaugeMetricFamily("afdserve_worker_up", "1 while the worker is up, else 0 (down or restarting)",
+                           labels=["worker"])
+    state = GaugeMetricFamily("afdserve_worker_state", "1 for the worker's current state (up, down, restarting)",
+                              labels=["worker", "state"])
+    for w, st in sorted(s.workers.items()):
+        up.add_metric([w], 1.0 if st == "up" else 0.0)
+        for known in sorted(set(WORKER_STATES) | {st}):
+            state.add_metric([w, known], 1.0 if known == st else 0.0)
+    restarts = CounterMetricFamily("afdserve_worker_restarts", "Times the worker was restarted", labels=["worker"])
+    for w in sorted(set(s.workers) | set(s.restarts)):
+        restarts.add_metric([w], s.restarts.get(w, 0))
+    failure = GaugeMetricFamily("afdserve_worker_last_failure_info", "The cause of the worker's last failure "
+                                "(value 1)", labels=["worker", "cause"])
+    for w, cause in sorted(s.last_failure.items()):
+        failure.add_metric([w, cause if len(cause) <= 200 else cause[:197] + "..."], 1.0)
+    yield from (up, state, restarts, failure)
+
+
 class ServingMetrics:
     """Implements ``async_engine.Observer``; ``render`` is the Prometheus text exposition."""
 
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int],
+                 heartbeat_age: Callable[[], float] | None = None):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("afdserve_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
@@ -78,7 +109,7 @@ class ServingMetrics:
                              "generations that finished (stop or length)", buckets=E2E_BUCKETS, registry=r)
         self.micro_batch = Histogram("afdserve_micro_batch_tokens", "Tokens per micro-batch of each step",
                                      buckets=MICRO_BATCH_BUCKETS, registry=r)
-        r.register(_Snapshot(stats, in_flight))
+        r.register(_Snapshot(stats, in_flight, heartbeat_age))
         r.register(ExpertLoadCollector(lambda: stats().expert_load))  # the recent window, per step
 
     # ---- Observer -----------------------------------------------------------------------

@@ -3,14 +3,17 @@
 Requests are strict (``"1"`` is not a number, ``true`` is not an integer; an integral float such as
 ``16.0`` is an integer, as in JSON Schema) and reject unknown fields, like OpenAI's API; afdserve's
 extensions are ``top_k``, ``ignore_eos`` and ``return_token_ids``. The models also make the
-server's OpenAPI schema (``/openapi.json``).
+server's OpenAPI schema (``/openapi.json``), which states what the server accepts: where a rule is
+checked in the handler rather than by pydantic (an empty prompt, a ``suffix``, ``stream_options``
+without ``stream``), ``json_schema_extra`` says it in the schema; the limits of one deployment
+(the model name, the vocabulary, the batch size, the number of experts) are added by ``app.openapi``.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 def _integral(v: Any) -> Any:
@@ -24,12 +27,36 @@ Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0), INTEGRAL]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), INTEGRAL]
-Stop = str | list[str] | None
+Seed = Annotated[int, INTEGRAL]  # any integer (the engine gets it modulo 2**63)
+NonEmpty = Annotated[str, Field(min_length=1)]
+Stop = NonEmpty | list[NonEmpty] | None
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]*)$"  # a logit_bias key: a token id in decimal
+
+
+def _not_zero(v: int) -> int:
+    if v == 0:
+        raise ValueError("top_k must be -1 (all tokens) or >= 1")
+    return v
+
+
+TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), INTEGRAL, AfterValidator(_not_zero)]
+
+
+def _needs(field: str, value: Any, *, unless: str) -> dict[str, Any]:
+    """JSON schema: ``unless`` may be set (non-null) only when ``field`` is ``value``."""
+    return {"anyOf": [{"required": [field], "properties": {field: {"const": value}}},
+                      {"properties": {unless: {"type": "null"}}}]}
+
+
+def _all_of(*rules: dict[str, Any]) -> dict[str, Any]:
+    return {"allOf": list(rules)}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+_STREAM_OPTIONS = _needs("stream", True, unless="stream_options")  # checked in generation.py
 
 
 class StreamOptions(_Strict):
@@ -52,7 +79,7 @@ class StructuredOutputsRequest(_Strict):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
     grammar: str | None = Field(None, description="an EBNF grammar")
 
 
@@ -69,12 +96,12 @@ class _SamplingFields(_Strict):
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: Annotated[dict[str, Float], Field(json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_KEY}})] \
+        | None = Field(None, description="token id (decimal) -> bias added to its logit (clamped to [-100, 100])")
     user: str | None = None
     response_format: ResponseFormat | None = None
     # afdserve extensions (as in vLLM)
-    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = Field(
-        None, description="sample from the k most likely tokens (-1: all)")
+    top_k: TopK | None = Field(None, description="sample from the k most likely tokens (-1: all)")
     min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = Field(
         None, description="drop tokens less likely than min_p times the most likely one")
     repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = Field(
@@ -90,16 +117,25 @@ class _SamplingFields(_Strict):
         None, description="constrain the output (exactly one of json, json_object, regex, choice, grammar)")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name: structured_outputs.json")
     guided_regex: str | None = Field(None, description="vLLM's older name: structured_outputs.regex")
-    guided_choice: list[str] | None = Field(None, description="vLLM's older name: structured_outputs.choice")
+    guided_choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = Field(
+        None, description="vLLM's older name: structured_outputs.choice")
     guided_grammar: str | None = Field(None, description="vLLM's older name: structured_outputs.grammar")
 
 
+def _min(n: int, key: str = "minItems") -> Any:
+    return Field(json_schema_extra={key: n})  # checked by the handler (its own error code)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+    model_config = ConfigDict(json_schema_extra=_STREAM_OPTIONS)
+    prompt: Annotated[str, _min(1, "minLength")] | Annotated[list[TokenId], _min(1)] \
+        | Annotated[list[Annotated[str, _min(1, "minLength")]], _min(1)] \
+        | Annotated[list[Annotated[list[TokenId], _min(1)]], _min(1)] = Field(
         description="a string, a list of token ids, or a batch of either")
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = 16
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: Annotated[str, Field(json_schema_extra={"maxLength": 0})] | None = Field(
+        None, description="not supported (null or empty)")
     logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(None, description="must equal n (as in vLLM)")
 
@@ -123,11 +159,23 @@ class ToolCallParam(_Strict):
 
 
 class ChatMessage(_Strict):
+    """A message has ``content``; only an assistant message that made tool calls may go without."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        {"required": ["role", "tool_calls"],
+         "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, description="required unless an assistant made tool_calls")
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="assistant: the tool calls it made")
     tool_call_id: str | None = Field(None, description="tool: the call this message answers")
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("a message needs content (only an assistant message with tool_calls may have none)")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -162,6 +210,10 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_all_of(  # checked in generation.py and tools.py
+        _STREAM_OPTIONS, _needs("logprobs", True, unless="top_logprobs"), {"anyOf": [
+            {"required": ["tools"], "properties": {"tools": {"type": "array"}}},
+            {"properties": {"tool_choice": {"type": "null"}}}]}))
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     tool_choice: ToolChoice | None = Field(None, description="default: 'auto' with tools, else 'none'")
@@ -276,11 +328,14 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class RebalanceRequest(BaseModel):
+MAX_SLOTS_PER_WORKER = 4096  # a bound for any model; the server also checks its number of experts
+
+
+class RebalanceRequest(_Strict):
     """``POST /admin/rebalance``: re-plan the expert placement from the recent load."""
 
-    model_config = ConfigDict(extra="forbid")
-    slots_per_worker: int | None = Field(default=None, ge=1, description="expert slots per expert worker")
+    slots_per_worker: Annotated[int, Field(ge=1, le=MAX_SLOTS_PER_WORKER), INTEGRAL] | None = Field(
+        default=None, description="expert slots per expert worker (at most the model's number of experts)")
     planner: Literal["janus", "megascale"] = "janus"
 
 

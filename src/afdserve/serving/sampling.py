@@ -4,11 +4,14 @@ extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop
 
 from __future__ import annotations
 
+import re
+
 from afdserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from afdserve.errors import RequestError
 from afdserve.serving.errors import ApiError
-from afdserve.serving.protocol import ChatCompletionRequest, CompletionRequest
+from afdserve.serving.protocol import TOKEN_ID_KEY, ChatCompletionRequest, CompletionRequest
 
+SEED_MODULUS = 2**63  # seeds are reduced to [0, 2**63): sequence i of n samples with seed + i (torch takes < 2**64)
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing logits by ~0 overflows)
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "min_tokens", "logit_bias",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids", "logprobs")
@@ -23,15 +26,16 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     temperature = 1.0 if req.temperature is None else req.temperature
     bias = None
     if req.logit_bias:
-        try:
-            bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError as e:
-            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from e
+        if not all(re.search(TOKEN_ID_KEY, k) for k in req.logit_bias):  # as JSON Schema's pattern reads
+            raise ApiError(400, "logit_bias keys must be token ids (decimal, e.g. \"42\")", param="logit_bias",
+                           code="invalid_value")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
+            min_p=req.min_p or 0.0, seed=None if req.seed is None else req.seed % SEED_MODULUS, stop=req.stop,
+            stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos), n=req.n or 1, min_tokens=req.min_tokens or 0,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,

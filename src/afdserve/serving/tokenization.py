@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize``, as vLLM serves them: a prompt -- or chat messages,
 rendered with the chat template as ``/v1/chat/completions`` renders them -- to token ids, and token
 ids back to text (special tokens included, so that ids -> text -> ids round-trips). Tokenizing runs
-in a worker thread: a long input does not hold up the event loop."""
+in a worker thread, with ``encode`` (which lets the event loop run meanwhile): a long input does not
+hold up other requests."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from afdserve.serving.async_engine import AsyncEngine
 from afdserve.serving.chat import ChatTemplate, template_messages
 from afdserve.serving.errors import ApiError
 from afdserve.serving.protocol import ChatMessage, ChatTool, TokenId, _Strict
+
+
+def encode(tok: TokenizerInfo, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids. The tokenizers library's ``encode`` holds the GIL for the whole text
+    (seconds for megabytes: every other thread stops); ``encode_batch`` releases it."""
+    return tok.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -75,7 +82,7 @@ class OpenAIServingTokenization:
 
         def run() -> tuple[list[int], list[str] | None]:
             text = self._render(req) if isinstance(req, TokenizeChatRequest) else req.prompt
-            ids = tok.tokenizer.encode(text, add_special_tokens=req.add_special_tokens).ids
+            ids = encode(tok, text, req.add_special_tokens)
             strs = [tok.tokenizer.id_to_token(i) or "" for i in ids] if req.return_token_strs else None
             return ids, strs
 
@@ -89,7 +96,8 @@ class OpenAIServingTokenization:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is out of the vocabulary (ids are in [0, {vocab}))",
                            param="tokens", code="invalid_value")
-        text = await asyncio.to_thread(tok.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        text = await asyncio.to_thread(  # decode_batch releases the GIL (decode holds it)
+            lambda: tok.tokenizer.decode_batch([req.tokens], skip_special_tokens=False)[0])
         return DetokenizeResponse(prompt=text)
 
     def _tokenizer(self, model: str | None) -> TokenizerInfo:

@@ -1,0 +1,155 @@
+"""Chaos: concurrent greedy streams against a disaggregated server while workers are killed and stalled.
+
+A server (2 attention + 3 expert workers by default, the demo model) runs in this process. First a
+fault-free pass records each prompt's greedy output and the throughput; then the same workload runs
+again while, every ``--fault-every`` seconds, a random worker is killed (SIGKILL) or stopped for 5 s
+(SIGSTOP, then SIGCONT). Each stream's text is compared with its fault-free output. Prints a table
+and writes JSON: failed requests, differing outputs, recovery time per fault (from the loss to every
+worker up again, as the front end measured it), throughput against the fault-free pass.
+
+    python benchmarks/chaos.py [--duration 120] [--streams 32] [--fault-every 20] [--json out/chaos.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None]:
+    """(text, error) of one streamed greedy completion."""
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, done = "", False
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                return text, f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return text, chunk["error"]["message"]
+                text += "".join(c["text"] for c in chunk["choices"])
+    except httpx.HTTPError as e:
+        return text, f"{type(e).__name__}: {e}"
+    return text, None if done else "the stream ended without [DONE]"
+
+
+def workload(url: str, prompts: list[str], max_tokens: int, streams: int, seconds: float,
+             results: list[tuple[int, str, str | None]]) -> float:
+    """``streams`` clients send prompts (round robin) until ``seconds`` pass; returns tokens/s."""
+    stop_at = time.monotonic() + seconds
+    counter = iter(range(10**9))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while time.monotonic() < stop_at:
+            with lock:
+                i = next(counter) % len(prompts)
+            text, err = stream(url, prompts[i], max_tokens)
+            results.append((i, text, err))
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(streams) as pool:
+        for f in [pool.submit(client) for _ in range(streams)]:
+            f.result()
+    return len(results) * max_tokens / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of the faulty pass")
+    ap.add_argument("--baseline", type=float, default=40.0, help="seconds of the fault-free pass")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--fault-every", type=float, default=20.0)
+    ap.add_argument("--attention-workers", type=int, default=2)
+    ap.add_argument("--expert-workers", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default="out/chaos.json")
+    args = ap.parse_args()
+
+    from afdserve.config import EngineConfig
+    from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
+
+    # float32: greedy tokens do not depend on which requests share a batch (bfloat16 rounding can flip
+    # near-ties, so outputs would differ between batchings even without faults)
+    cfg = EngineConfig(dtype=args.dtype, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
+                       micro_batches=2, max_num_seqs=args.streams)
+    app = build_app(cfg, ServerOptions(served_model_name="demo", log_level="error"))
+    cluster = app.state.engine.engine
+    rng = random.Random(args.seed)
+    prompts = [" ".join(rng.choice(["the", "a", "model", "expert", "token", "layer", "fast", "cache"])
+                        for _ in range(rng.randrange(4, 16))) for _ in range(64)]
+    with BackgroundServer(app, log_level="error") as url:
+        want = {i: stream(url, p, args.max_tokens)[0] for i, p in enumerate(prompts)}  # fault-free outputs
+        base: list = []
+        base_tps = workload(url, prompts, args.max_tokens, args.streams, args.baseline, base)
+        results: list = []
+        faults: list[dict] = []
+        stop = threading.Event()
+
+        def chaos() -> None:
+            while not stop.wait(args.fault_every):
+                name = rng.choice(sorted(cluster.workers))
+                pid = cluster.workers[name].pid
+                kind = rng.choice(["kill", "kill", "stop"])
+                faults.append({"t": time.monotonic(), "worker": name, "fault": kind})
+                os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                if kind == "stop":
+                    time.sleep(5)
+                    try:
+                        os.kill(pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+
+        th = threading.Thread(target=chaos, daemon=True)
+        th.start()
+        tps = workload(url, prompts, args.max_tokens, args.streams, args.duration, results)
+        stop.set()
+        th.join()
+        recovery = list(cluster.membership.recovery_seconds)
+        restarts = dict(cluster.membership.restarts)
+    failed = [e for _, _, e in results if e]
+    differ = sum(1 for i, text, e in results if not e and text != want[i])
+    base_differ = sum(1 for i, text, e in base if not e and text != want[i])
+    row = {"requests": len(results), "failed": len(failed), "differing": differ,
+           "differing_without_faults": base_differ, "faults": len(faults),
+           "recoveries": len(recovery), "recovery_median_s": statistics.median(recovery) if recovery else None,
+           "recovery_max_s": max(recovery) if recovery else None, "throughput_tok_s": tps,
+           "fault_free_tok_s": base_tps, "throughput_ratio": tps / base_tps if base_tps else None}
+    print(f"{'requests':>8} {'failed':>6} {'differ':>6} {'faults':>6} {'recov med s':>11} {'recov max s':>11} "
+          f"{'tok/s':>8} {'fault-free':>10} {'ratio':>6}")
+    print(f"{row['requests']:>8} {row['failed']:>6} {row['differing']:>6} {row['faults']:>6} "
+          f"{row['recovery_median_s'] or float('nan'):>11.2f} {row['recovery_max_s'] or float('nan'):>11.2f} "
+          f"{tps:>8.1f} {base_tps:>10.1f} {row['throughput_ratio'] or float('nan'):>6.2f}")
+    for f in faults:
+        print(f"  fault: {f['fault']:<4} {f['worker']}")
+    print(f"  fault-free pass: {len(base)} requests, {base_differ} differing from the one-at-a-time outputs")
+    if failed:
+        print("  first failures:", failed[:3])
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump({"settings": vars(args), "summary": row, "faults": faults, "restarts": restarts,
+                   "recovery_s": recovery, "failures": failed[:20]}, fh, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
