@@ -3,7 +3,7 @@
 A server (2 attention + 3 expert workers by default, the demo model) runs in this process. First a
 fault-free pass records each prompt's greedy output and the throughput; then the same workload runs
 again while, every ``--fault-every`` seconds, a random worker is killed (SIGKILL) or stopped for 5 s
-(SIGSTOP, then SIGCONT). Each stream's text is compared with its fault-free output. Prints a table
+(SIGSTOP, then SIGCONT). Each stream's token ids are compared with its fault-free output. Prints a table
 and writes JSON: failed requests, differing outputs, recovery time per fault (from the loss to every
 worker up again, as the front end measured it), throughput against the fault-free pass.
 
@@ -13,6 +13,7 @@ worker up again, as the front end measured it), throughput against the fault-fre
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -20,55 +21,16 @@ import signal
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-
-import httpx
 
 
-def stream(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None]:
-    """(text, error) of one streamed greedy completion."""
-    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    text, done = "", False
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-            if r.status_code != 200:
-                return text, f"HTTP {r.status_code}: {r.read()[:200]!r}"
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    return text, chunk["error"]["message"]
-                text += "".join(c["text"] for c in chunk["choices"])
-    except httpx.HTTPError as e:
-        return text, f"{type(e).__name__}: {e}"
-    return text, None if done else "the stream ended without [DONE]"
+def workload(url: str, requests: list, streams: int, seconds: float | None) -> tuple[list, float]:
+    """``streams`` concurrent greedy streams cycling through ``requests`` for ``seconds`` (None: each
+    request once): ``afdserve.bench.loadgen``'s closed loop. Returns the results and tokens/s."""
+    from afdserve.bench.loadgen import LoadSpec, run_load
 
-
-def workload(url: str, prompts: list[str], max_tokens: int, streams: int, seconds: float,
-             results: list[tuple[int, str, str | None]]) -> float:
-    """``streams`` clients send prompts (round robin) until ``seconds`` pass; returns tokens/s."""
-    stop_at = time.monotonic() + seconds
-    counter = iter(range(10**9))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while time.monotonic() < stop_at:
-            with lock:
-                i = next(counter) % len(prompts)
-            text, err = stream(url, prompts[i], max_tokens)
-            results.append((i, text, err))
-
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(streams) as pool:
-        for f in [pool.submit(client) for _ in range(streams)]:
-            f.result()
-    return len(results) * max_tokens / (time.monotonic() - t0)
+    spec = LoadSpec(base_url=url, model="demo", max_concurrency=streams, duration_s=seconds, timeout_s=300.0)
+    results, elapsed = asyncio.run(run_load(spec, requests))
+    return results, sum(len(r.token_ids) for r in results) / elapsed
 
 
 def main() -> None:
@@ -85,6 +47,7 @@ def main() -> None:
     ap.add_argument("--json", default="out/chaos.json")
     args = ap.parse_args()
 
+    from afdserve.bench.workload import BenchRequest
     from afdserve.config import EngineConfig
     from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
@@ -97,11 +60,10 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = [" ".join(rng.choice(["the", "a", "model", "expert", "token", "layer", "fast", "cache"])
                         for _ in range(rng.randrange(4, 16))) for _ in range(64)]
+    requests = [BenchRequest(p, len(p.split()), args.max_tokens) for p in prompts]
     with BackgroundServer(app, log_level="error") as url:
-        want = {i: stream(url, p, args.max_tokens)[0] for i, p in enumerate(prompts)}  # fault-free outputs
-        base: list = []
-        base_tps = workload(url, prompts, args.max_tokens, args.streams, args.baseline, base)
-        results: list = []
+        want = {r.index: r.token_ids for r in workload(url, requests, 1, None)[0]}  # fault-free, one at a time
+        base, base_tps = workload(url, requests, args.streams, args.baseline)
         faults: list[dict] = []
         stop = threading.Event()
 
@@ -121,14 +83,14 @@ def main() -> None:
 
         th = threading.Thread(target=chaos, daemon=True)
         th.start()
-        tps = workload(url, prompts, args.max_tokens, args.streams, args.duration, results)
+        results, tps = workload(url, requests, args.streams, args.duration)
         stop.set()
         th.join()
         recovery = list(cluster.membership.recovery_seconds)
         restarts = dict(cluster.membership.restarts)
-    failed = [e for _, _, e in results if e]
-    differ = sum(1 for i, text, e in results if not e and text != want[i])
-    base_differ = sum(1 for i, text, e in base if not e and text != want[i])
+    failed = [r.error for r in results if not r.ok]
+    differ = sum(1 for r in results if r.ok and r.token_ids != want[r.index])
+    base_differ = sum(1 for r in base if r.ok and r.token_ids != want[r.index])
     row = {"requests": len(results), "failed": len(failed), "differing": differ,
            "differing_without_faults": base_differ, "faults": len(faults),
            "recoveries": len(recovery), "recovery_median_s": statistics.median(recovery) if recovery else None,

@@ -25,6 +25,8 @@ from afdserve.bench.workload import BenchRequest
 @dataclass
 class RequestResult:
     prompt_len: int
+    index: int = 0  # of the request in the list given to run_load
+    token_ids: list[int] = field(default_factory=list)  # generated (the server returns them)
     output_len: int = 0  # tokens generated (server-reported)
     start: float = 0.0  # seconds since the run began
     ttft: float | None = None
@@ -63,9 +65,9 @@ def _body(spec: LoadSpec, req: BenchRequest) -> dict:
 
 
 async def send(client: httpx.AsyncClient, spec: LoadSpec, req: BenchRequest, t0: float,
-               cancel_after: int | None = None) -> RequestResult:
+               cancel_after: int | None = None, index: int = 0) -> RequestResult:
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
-    res = RequestResult(prompt_len=req.prompt_len)
+    res = RequestResult(prompt_len=req.prompt_len, index=index)
     start = time.perf_counter()
     res.start = start - t0
     last = start
@@ -95,6 +97,7 @@ async def send(client: httpx.AsyncClient, spec: LoadSpec, req: BenchRequest, t0:
                 if chunk.get("usage"):
                     res.output_len = int(chunk["usage"]["completion_tokens"])
                 for choice in chunk.get("choices") or ():
+                    res.token_ids += choice.get("token_ids") or []
                     n = len(choice.get("token_ids") or ())
                     if n == 0 and (choice.get("text") or (choice.get("delta") or {}).get("content")):
                         n = 1  # a server without token ids: one token per chunk
@@ -141,7 +144,8 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest],
     rng = random.Random(spec.seed)
     limit = spec.max_concurrency or 10_000
     sem = asyncio.Semaphore(limit)
-    source: Iterable[BenchRequest] = itertools.cycle(requests) if spec.duration_s else requests
+    source: Iterable[tuple[int, BenchRequest]] = itertools.cycle(enumerate(requests)) if spec.duration_s \
+        else enumerate(requests)
     timeout = httpx.Timeout(spec.timeout_s, connect=30.0)
     tasks: list[asyncio.Task[RequestResult]] = []
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=limit,
@@ -149,9 +153,9 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest],
         t0 = time.perf_counter()
         next_at = t0
 
-        async def one(req: BenchRequest, cancel_after: int | None) -> RequestResult:
+        async def one(index: int, req: BenchRequest, cancel_after: int | None) -> RequestResult:
             try:
-                res = await send(client, spec, req, t0, cancel_after)
+                res = await send(client, spec, req, t0, cancel_after, index)
             finally:
                 sem.release()
             if on_done:
@@ -161,7 +165,7 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest],
         def expired() -> bool:
             return spec.duration_s is not None and time.perf_counter() - t0 >= spec.duration_s
 
-        for req in source:
+        for index, req in source:
             if math.isfinite(spec.request_rate):
                 next_at += rng.expovariate(spec.request_rate)
                 delay = next_at - time.perf_counter()
@@ -172,6 +176,6 @@ async def run_load(spec: LoadSpec, requests: list[BenchRequest],
                 sem.release()
                 break
             cancel = spec.cancel_after_tokens if rng.random() < spec.cancel_fraction else None
-            tasks.append(asyncio.create_task(one(req, cancel)))
+            tasks.append(asyncio.create_task(one(index, req, cancel)))
         results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - t0
