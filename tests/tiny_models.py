@@ -94,3 +94,107 @@ def make_tool_checkpoint(path):
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": TOOL_TEMPLATE}))
     return path
+
+
+# -- DeepSeek-V2 / V3 (MLA) and dense layers inside MoE models (issue 15) --
+
+def deepseek_config(version: int, **over):
+    """A tiny DeepSeek-V2/V3 config: MLA with odd head count, groups of experts, a dense first layer."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=60, intermediate_size=72, moe_intermediate_size=24,
+                  num_hidden_layers=3, num_attention_heads=5, n_routed_experts=8, n_shared_experts=2,
+                  num_experts_per_tok=3, kv_lora_rank=20, q_lora_rank=28, qk_rope_head_dim=6, qk_nope_head_dim=10,
+                  v_head_dim=12, first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.1,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if version == 2:
+        common |= dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)
+        cfg = tf.DeepseekV2Config(**(common | over))
+    else:
+        common |= dict(n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+        cfg = tf.DeepseekV3Config(**(common | over))
+    return cfg
+
+
+def make_deepseek_checkpoint(path: Path, version: int, seed: int = 0, **over) -> Path:
+    """A tiny DeepSeek checkpoint; V3's ``e_score_correction_bias`` gets non-zero random values."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cls = tf.DeepseekV2ForCausalLM if version == 2 else tf.DeepseekV3ForCausalLM
+    model = cls(deepseek_config(version, **over)).eval()
+    if version == 3:
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(torch.rand(gate.e_score_correction_bias.shape) * 0.4 - 0.2)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+# -- gpt-oss, sliding windows and RoPE scaling (issue 15) --
+
+def make_gpt_oss_checkpoint(path: Path, seed: int = 0, **over) -> Path:
+    """A tiny gpt-oss: sinks (random, so they matter), biases everywhere, sliding and full attention
+    alternating (window 8), YaRN; ``over`` changes any config field."""
+    import transformers as tf
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=6,
+                  num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512, initializer_range=0.3,
+                  bos_token_id=1, eos_token_id=2, swiglu_limit=1.5,
+                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 128,
+                                   "rope_theta": 150000.0})
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(tf.GptOssConfig(**(fields | over))).eval()
+    with torch.no_grad():  # transformers initialises sinks and biases to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.normal_(0, 0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+def mxfp4_twins(src: Path, quantized: Path, reference: Path) -> None:
+    """From the gpt-oss checkpoint ``src``: ``quantized``, its experts in MXFP4 (blocks of 32 FP4
+    values with a power-of-two scale, as openai's release stores them) with a ``quantization_config``,
+    and ``reference``, the same model with those experts dequantized by transformers
+    (``convert_moe_packed_tensors``), as a float32 checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+
+    lut = torch.tensor(FP4_VALUES)
+    state = load_file(str(src / "model.safetensors"))
+    q_state, r_state = {}, {}
+    for name, t in state.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q_state[name] = r_state[name] = t
+            continue
+        w = t.transpose(1, 2).float()  # [E, out, in]: quantized along the input
+        e, rows, cols = w.shape
+        groups = w.reshape(e, rows, cols // 32, 32)
+        exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+        scaled = groups / torch.exp2(exp)[..., None]
+        idx = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest FP4 value
+        blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).contiguous()
+        scales = (exp.int() + 127).to(torch.uint8)
+        q_state[name + "_blocks"], q_state[name + "_scales"] = blocks, scales
+        r_state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    for path, st in ((quantized, q_state), (reference, r_state)):
+        path.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, path / f.name)
+        save_file({k: v.contiguous() for k, v in st.items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+    raw = json.loads((quantized / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(raw))

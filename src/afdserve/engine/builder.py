@@ -45,9 +45,11 @@ def context_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
 
 def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                        cfg.block_size, parse_dtype(cfg.dtype))
+                                        cfg.block_size, parse_dtype(cfg.dtype), model_cfg.kv_latent_dim)
     n = cfg.num_kv_blocks or int(cfg.kv_cache_gb * 2**30 // per_block)
     need = -(-max_len // cfg.block_size)
+    if model_cfg.kv_window:  # blocks out of every layer's window go back: a sequence holds fewer
+        need = min(need, -(-(model_cfg.kv_window + max(cfg.max_num_batched_tokens, 1)) // cfg.block_size) + 1)
     if n < need:
         field = "num_kv_blocks" if cfg.num_kv_blocks else "kv_cache_gb"
         raise ConfigError(
@@ -81,7 +83,8 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     model = AttentionModel.load(path, dtype, model_cfg, reader)
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
-    kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype)
+    kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,
+                 model_cfg.kv_latent_dim)
     return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size), max_len)
 
 
@@ -90,7 +93,8 @@ def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_tok
     """The engine core over ``side``, running batches through ``runner``; ``grammars`` enforce
     structured outputs (``afdserve.engine.structured_output.XGrammars``)."""
     sched = SchedulerConfig(cfg.max_num_seqs, max(cfg.max_num_batched_tokens, 1))
-    return Engine(runner, side.blocks, sched, side.max_model_len, eos_token_ids, grammars)
+    return Engine(runner, side.blocks, sched, side.max_model_len, eos_token_ids, grammars,
+                  kv_window=side.model.cfg.kv_window)
 
 
 def build_colocated(cfg: EngineConfig) -> ColocatedClient:

@@ -52,8 +52,11 @@ class StepStats:
 
 class Engine:
     def __init__(self, runner: Runner, blocks: BlockManager, sched: SchedulerConfig, max_model_len: int,
-                 eos_token_ids: set[int], grammars: Grammars | None = None):
+                 eos_token_ids: set[int], grammars: Grammars | None = None, kv_window: int = 0):
+        """``kv_window``: every layer attends to at most this many keys (0: some layer to all); the
+        blocks of older tokens go back to the pool as the sequences advance."""
         self.runner, self.blocks = runner, blocks
+        self.kv_window = kv_window
         self.scheduler = Scheduler(sched, blocks)
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
@@ -122,6 +125,8 @@ class Engine:
             logits = torch.empty_like(logits).index_copy_(0, order, logits)
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
+            if self.kv_window:  # the next token (position num_computed) attends from here on
+                self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
         if prompt_rows:
             lp = torch.log_softmax(logits[len(sampled):], dim=-1)
             for j, (seq, _, pos) in enumerate(prompt_rows):

@@ -56,5 +56,6 @@ class ModelRunner:
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):
             h, y, ids, w = m.pre_moe(layer, x, cos_sin, meta, self.kv)
-            x = m.post_moe(layer, h, y, self.moe(layer, y, ids, w))
+            # a dense layer (ids None) has its MLP here: nothing goes to the experts
+            x = m.post_moe(layer, h, y, None if ids is None else self.moe(layer, y, ids, w))
         return m.logits(x[rows])

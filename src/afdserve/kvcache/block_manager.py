@@ -8,7 +8,12 @@ import torch
 
 
 class BlockManager:
-    """A free list of fixed-size blocks; each sequence owns a block table."""
+    """A free list of fixed-size blocks; each sequence owns a block table.
+
+    A sequence whose oldest tokens no layer attends to any more (sliding windows) gives their
+    blocks back early (``release_before``): its table then holds the live blocks only (after
+    ``num_released`` given back), and the slots of the released positions read as -1.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -17,6 +22,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
         self._slots: dict[int, torch.Tensor] = {}  # per sequence: slots of its positions so far
+        self._released: dict[int, int] = {}  # per sequence: leading blocks given back early
 
     @property
     def num_free(self) -> int:
@@ -28,7 +34,7 @@ class BlockManager:
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """Blocks still to allocate so that ``seq_id`` can hold ``num_tokens`` tokens."""
-        have = len(self.tables.get(seq_id, ()))
+        have = len(self.tables.get(seq_id, ())) + self._released.get(seq_id, 0)
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_hold(self, seq_id: int, num_tokens: int) -> bool:
@@ -50,6 +56,26 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         self._free.extend(self.tables.pop(seq_id, ()))
         self._slots.pop(seq_id, None)
+        self._released.pop(seq_id, None)
+
+    def num_released(self, seq_id: int) -> int:
+        return self._released.get(seq_id, 0)
+
+    def release_before(self, seq_id: int, position: int) -> int:
+        """Gives back the blocks of ``seq_id`` whose tokens all lie before ``position`` (no layer
+        will read them again); their slots become -1. Returns how many blocks were freed."""
+        table = self.tables.get(seq_id)
+        if not table:
+            return 0
+        done = self._released.get(seq_id, 0)
+        n = min(max(0, position // self.block_size - done), len(table))
+        if n == 0:
+            return 0
+        self._free.extend(table[:n])
+        del table[:n]
+        self._released[seq_id] = done + n
+        self._slots[seq_id][done * self.block_size : (done + n) * self.block_size] = -1
+        return n
 
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Cache slots of token positions [0, num_tokens) of a sequence (a view: the slots of a

@@ -10,23 +10,55 @@ class KVCache:
 
     ``keys(layer)``/``values(layer)`` are ``[num_blocks * block_size, kv_heads, head_dim]`` views:
     slot ``b * block_size + o`` holds offset ``o`` of block ``b``.
+
+    With ``latent_dim > 0`` the cache has MLA's latent layout instead: ``latent(layer)`` is a
+    ``[num_blocks * block_size, latent_dim]`` view (the compressed latent and the decoupled RoPE key
+    of each token) and there are no per-head keys or values.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, latent_dim: int = 0):
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.lat: torch.Tensor | None = None
+        if latent_dim:
+            self.lat = torch.zeros((num_layers, num_blocks * block_size, latent_dim), dtype=dtype)
+        else:
+            shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype)
+            self.v = torch.zeros(shape, dtype=dtype)
+
+    @property
+    def is_latent(self) -> bool:
+        return self.lat is not None
 
     def keys(self, layer: int) -> torch.Tensor:
+        if self.k is None:
+            raise ValueError("a latent (MLA) cache has no per-head keys; use latent(layer)")
         return self.k[layer]
 
     def values(self, layer: int) -> torch.Tensor:
+        if self.v is None:
+            raise ValueError("a latent (MLA) cache has no per-head values; use latent(layer)")
         return self.v[layer]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        if self.lat is None:
+            raise ValueError("a K/V cache has no latent layout; use keys(layer) / values(layer)")
+        return self.lat[layer]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The allocated tensors ([K, V], or [latent]), each ``[num_layers, num_slots, ...]``."""
+        return [t for t in (self.k, self.v, self.lat) if t is not None]
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes the allocated tensors hold for one token of one layer."""
+        return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, latent_dim: int = 0) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        per_token = latent_dim if latent_dim else 2 * num_kv_heads * head_dim
+        return num_layers * block_size * per_token * elem

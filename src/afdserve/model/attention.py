@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers import RMSNorm, Rotary
+from afdserve.model.layers import RMSNorm
+from afdserve.model.rope import apply_rotary
 
 
 @dataclass
@@ -18,7 +19,8 @@ class AttnMetadata:
 
     The batch is the concatenation of each sequence's new tokens (``query_lens``); after this
     step sequence ``i`` has ``kv_lens[i]`` tokens in the cache. Sequences with one new token
-    (decodes) are attended in one batched call; the others one by one.
+    (decodes) are attended in one batched call; the others one by one. ``kv_slots[i]`` holds -1
+    for positions whose blocks were freed (out of every layer's window): no layer reads them.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -27,8 +29,8 @@ class AttnMetadata:
     kv_lens: list[int]
     kv_slots: list[torch.Tensor]  # per sequence: [kv_len] cache slots of its whole context
     decode_rows: torch.Tensor | None = None  # token rows of the query_len == 1 sequences
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_kv] padded slots
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_kv] bool, True where attended
+    decode_seqs: torch.Tensor | None = None  # their sequence indices
+    _decode_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -44,31 +46,70 @@ class AttnMetadata:
         seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), q)  # sequence of each token
         first = torch.cumsum(q, 0) - q  # first token row of each sequence
         positions = (kv - q)[seq_of] + torch.arange(int(q.sum())) - first[seq_of]
-        padded = torch.nn.utils.rnn.pad_sequence(list(kv_slots), batch_first=True)  # [S, max_kv]
-        slot_mapping = padded[seq_of, positions]
+        slot_mapping = torch.cat([s[s.shape[0] - n:] for s, n in zip(kv_slots, query_lens)])
         dec = (q == 1).nonzero().squeeze(1)
-        rows = slots = mask = None
-        if dec.numel():
-            rows = first[dec]
-            lens = kv[dec]
-            slots = padded[dec, : int(lens.max())]
-            mask = (torch.arange(slots.shape[1])[None, :] < lens[:, None])[:, None, None, :]
-        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows, slots, mask)
+        rows = first[dec] if dec.numel() else None
+        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows,
+                            dec if dec.numel() else None)
+
+    def decode_kv(self, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys of the decode sequences through a ``window`` (0: all): padded slots [S, L] and
+        the mask [S, 1, 1, L] (True where attended). Computed once per window and step."""
+        if window not in self._decode_kv:
+            seqs = self.decode_seqs.tolist()
+            lens = [self.kv_lens[i] for i in seqs]
+            starts = [max(0, n - window) if window else 0 for n in lens]
+            padded = torch.nn.utils.rnn.pad_sequence([self.kv_slots[i][a:n] for i, a, n in zip(seqs, starts, lens)],
+                                                     batch_first=True)
+            kept = torch.tensor([n - a for a, n in zip(starts, lens)])
+            # padded with each sequence's own last slot (masked): never a slot of a block it gave back
+            cols = torch.arange(padded.shape[1])[None, :]
+            slots = padded.gather(1, torch.minimum(cols, kept[:, None] - 1))
+            mask = (cols < kept[:, None])[:, None, None, :]
+            self._decode_kv[window] = (slots, mask)
+        return self._decode_kv[window]
+
+    @property
+    def decode_slots(self) -> torch.Tensor:
+        return self.decode_kv(0)[0]
+
+    @property
+    def decode_mask(self) -> torch.Tensor:
+        return self.decode_kv(0)[1]
+
+
+def prefill_keys(kv_len: int, qlen: int, window: int) -> tuple[int, torch.Tensor | None]:
+    """The first context position a piece of ``qlen`` new tokens (the last of ``kv_len``) attends
+    to through ``window`` (0: all), and its mask [qlen, kv_len - first] (None: plain causal)."""
+    p0 = kv_len - qlen  # position of the first new token
+    first = max(0, p0 - window + 1) if window else 0
+    if first == 0 and qlen == kv_len and (not window or window >= kv_len):
+        return 0, None
+    qpos = torch.arange(p0, kv_len)[:, None]
+    kpos = torch.arange(first, kv_len)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    return first, mask
 
 
 class AttentionPart(nn.Module):
-    """``x -> (h, y)`` with ``h = x + attn(norm(x))`` and ``y = post_norm(h)`` (the MoE input)."""
+    """``x -> (h, y)`` with ``h = x + attn(norm(x))`` and ``y = post_norm(h)`` (the MoE input).
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    ``window``: keys attended (0: all). With ``cfg.attention_sinks`` (gpt-oss) every head's softmax
+    also has a learned logit ``sinks[head]`` that takes weight and adds no value."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, window: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.qkv = nn.Linear(h, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(nh * hd, h, bias=cfg.o_proj_bias, dtype=dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(nh, dtype=dtype)) if cfg.attention_sinks else None
         self.scale = hd**-0.5
         self.requires_grad_(False)
 
@@ -81,13 +122,31 @@ class AttentionPart(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # caches are [num_slots, nkv, hd] views of the paged blocks
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
         out = self._attend(q, k_cache, v_cache, meta)
         h = x + self.o_proj(out.reshape(-1, nh * hd))
         return h, self.post_norm(h)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, nh, Lq, hd], keys/vals [B, nkv, L, hd], mask bool broadcastable to [B, nh, Lq, L]
+        (None: causal with Lq == L)."""
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=mask is None,
+                                                  scale=self.scale, enable_gqa=True)
+        b, nh, lq, _ = q.shape
+        if mask is None:
+            mask = torch.ones(lq, keys.shape[2], dtype=torch.bool).tril()
+        # the sink: one more key (zero, so its logit is the bias sinks[head]) with a zero value
+        bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        bias = torch.cat([bias.expand(b, nh, lq, -1),
+                          self.sinks.to(q.dtype).view(1, nh, 1, 1).expand(b, nh, lq, 1)], dim=-1)
+        zero = keys.new_zeros(b, keys.shape[1], 1, keys.shape[3])
+        return F.scaled_dot_product_attention(q, torch.cat([keys, zero], 2), torch.cat([vals, zero], 2),
+                                              attn_mask=bias, scale=self.scale, enable_gqa=True)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
@@ -101,17 +160,11 @@ class AttentionPart(nn.Module):
             if qlen == 1:
                 start += 1
                 continue
+            first, mask = prefill_keys(slots.shape[0], qlen, self.window)
             qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, nh, q, hd]
-            keys = k_cache[slots].transpose(0, 1)[None]
-            vals = v_cache[slots].transpose(0, 1)[None]
-            kv_len = slots.shape[0]
-            if qlen == kv_len:
-                o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=qlen > 1, scale=self.scale,
-                                                   enable_gqa=True)
-            else:  # new tokens attend to the cached prefix and causally among themselves
-                mask = torch.ones(qlen, kv_len, dtype=torch.bool).tril(kv_len - qlen)
-                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=True)
+            keys = k_cache[slots[first:]].transpose(0, 1)[None]
+            vals = v_cache[slots[first:]].transpose(0, 1)[None]
+            o = self._sdpa(qs, keys, vals, mask)
             out[start : start + qlen] = o[0].transpose(0, 1)
             start += qlen
         return out
@@ -120,12 +173,11 @@ class AttentionPart(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
+        slots, mask = meta.decode_kv(self.window)
         outs = []
         for s in range(0, q.shape[0], self.DECODE_CHUNK):
             e = s + self.DECODE_CHUNK
-            keys = k_cache[meta.decode_slots[s:e]].transpose(1, 2)  # [S, nkv, L, hd]
-            vals = v_cache[meta.decode_slots[s:e]].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[s:e, :, None, :], keys, vals, attn_mask=meta.decode_mask[s:e],
-                                               scale=self.scale, enable_gqa=True)
-            outs.append(o[:, :, 0, :])
+            keys = k_cache[slots[s:e]].transpose(1, 2)  # [S, nkv, L, hd]
+            vals = v_cache[slots[s:e]].transpose(1, 2)
+            outs.append(self._sdpa(q[s:e, :, None, :], keys, vals, mask[s:e])[:, :, 0, :])
         return outs[0] if len(outs) == 1 else torch.cat(outs)

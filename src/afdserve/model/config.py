@@ -8,28 +8,29 @@ from pathlib import Path
 from typing import Any
 
 from afdserve.errors import ModelError
+from afdserve.model.families import MLAConfig, deepseek_fields, qwen_dense_layers
+from afdserve.model.gpt_oss import check_not_quantized, gpt_oss_fields, layer_windows
+from afdserve.model.rope import served_context
 
 # HF architecture name -> our family name
 ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
 def _context_len(raw: dict[str, Any]) -> int:
-    """Longest context we serve: sliding-window attention is not implemented, so a model with a
-    window is served up to the window (where full attention and the window agree)."""
-    n = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
-    if window and (raw.get("use_sliding_window", True)):
-        n = min(n, int(window))
-    return n
+    """Longest context we serve (a sliding-window model too: its windowed layers attend to the window)."""
+    return served_context(raw)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes and options of a supported MoE model (all layers are MoE layers)."""
+    """The shapes and options of a supported MoE model (``dense_layers`` have no experts)."""
 
     family: str
     vocab_size: int
@@ -51,11 +52,53 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # -- layers without experts, MLA and DeepSeek's routing (model/families.py) --
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (no experts): it runs on the attention side
+    dense_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert; DeepSeek has none
+    mla: MLAConfig | None = None  # DeepSeek's multi-head latent attention (None: GQA)
+    scoring: str = "softmax"  # router scores: "softmax" or "sigmoid" (+ e_score_correction_bias)
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (V2) or "noaux_tc" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # -- sliding windows (every family) and gpt-oss (model/gpt_oss.py) --
+    sliding_windows: tuple[int, ...] = ()  # per layer: keys attended (0: full attention); (): none
+    attention_sinks: bool = False  # a learned per-head logit in every softmax (gpt-oss)
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False  # biases of the routed experts' projections
+    expert_activation: str = "silu"  # "silu" (SwiGLU) or "swiglu_oai" (gpt-oss's clamped SwiGLU)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def window(self, layer: int) -> int:
+        """Keys ``layer`` attends to (0: all)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def kv_window(self) -> int:
+        """Keys every layer keeps within (0: some layer attends to all): KV blocks that fall out of
+        this window are never read again."""
+        return max(self.sliding_windows) if self.sliding_windows and all(self.sliding_windows) else 0
 
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer`` has routed experts (else its dense MLP runs on the attention side)."""
+        return layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.num_layers) if l not in self.dense_layers)
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Values cached per token and layer in MLA's latent layout (0: the K/V layout)."""
+        return self.mla.latent_dim if self.mla is not None else 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -74,14 +117,14 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
-            family = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}.get(
-                raw.get("model_type", "")
-            )
+            family = {f: f for f in ARCHITECTURES.values()}.get(raw.get("model_type", ""))
         if family is None:
             raise ModelError(
                 f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
+
+        check_not_quantized(raw, source)
 
         def need(key: str) -> Any:
             if key not in raw or raw[key] is None:
@@ -112,6 +155,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            sliding_windows=layer_windows(family, raw, layers),
             extra=raw,
         )
         if family == "mixtral":
@@ -122,17 +166,18 @@ class ModelConfig:
                 norm_topk_prob=True,
                 **common,
             )
+        elif family == "gpt_oss":
+            cfg = cls(**(common | gpt_oss_fields(raw, need)))
+        elif family in ("deepseek_v2", "deepseek_v3"):
+            cfg = cls(**(common | deepseek_fields(family, raw, need, source)))
         else:
-            sparse_step = int(raw.get("decoder_sparse_step", 1) or 1)
-            mlp_only = raw.get("mlp_only_layers") or []
-            if sparse_step != 1 or mlp_only:
-                raise ModelError(
-                    f"{source}: dense layers (decoder_sparse_step={sparse_step}, "
-                    f"mlp_only_layers={mlp_only}) are not supported; every layer must be MoE"
-                )
+            n_experts = int(raw.get("num_experts") or need("num_local_experts"))
+            dense = qwen_dense_layers(raw, layers, n_experts)
             cfg = cls(
+                dense_layers=dense,
+                dense_intermediate_size=int(need("intermediate_size")) if dense else 0,
                 moe_intermediate_size=int(need("moe_intermediate_size")),
-                num_experts=int(raw.get("num_experts") or need("num_local_experts")),
+                num_experts=n_experts,
                 top_k=int(need("num_experts_per_tok")),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", family == "qwen3_moe")),
                 qkv_bias=bool(raw.get("qkv_bias", True))
@@ -157,6 +202,8 @@ class ModelConfig:
             "num_experts": self.num_experts > 0,
             "num_experts_per_tok": 0 < self.top_k <= self.num_experts,
             "head_dim": self.head_dim > 0 and self.head_dim % 2 == 0,
+            "intermediate_size": not self.dense_layers or self.dense_intermediate_size > 0,
+            "num_hidden_layers (no layer has experts)": len(self.dense_layers) < self.num_layers,
         }
         for name, ok in checks.items():
             if not ok:

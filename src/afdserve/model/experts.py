@@ -1,7 +1,11 @@
-"""The expert part of a MoE layer: routed SwiGLU experts (grouped) and the shared expert."""
+"""The expert part of a MoE layer: routed SwiGLU experts (grouped) and the shared expert.
+
+An expert is ``down(act(gate_up(y)))`` with gate and up stacked in one [2I, H] matrix; gpt-oss's
+experts add biases to both projections and use its clamped SwiGLU (``Activation``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -12,18 +16,54 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.layers import swiglu
 
 
+@dataclass(frozen=True)
+class Activation:
+    """``silu``: SwiGLU ``silu(gate) * up``; ``swiglu_oai``: gpt-oss's ``(up + 1) * gate *
+    sigmoid(alpha * gate)`` with gate clamped above at ``limit`` and up to ``[-limit, limit]``."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Activation":
+        return cls(cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = Activation()
+
+
 def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   counts: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of rows grouped by expert: rows ``[sum(counts[:j]), sum(counts[:j+1]))`` of ``x`` go
-    through expert j (``w_gate_up[j]`` [2I, H], ``w_down[j]`` [H, I]). One grouped GEMM per
-    projection for all experts (``torch._grouped_mm``), no Python loop over experts."""
+                   counts: torch.Tensor, b_gate_up: torch.Tensor | None = None,
+                   b_down: torch.Tensor | None = None, act: Activation = SILU) -> torch.Tensor:
+    """Gated MLPs of rows grouped by expert: rows ``[sum(counts[:j]), sum(counts[:j+1]))`` of ``x``
+    go through expert j (``w_gate_up[j]`` [2I, H], ``w_down[j]`` [H, I], optional biases
+    ``b_gate_up[j]`` [2I], ``b_down[j]`` [H]). One grouped GEMM per projection for all experts
+    (``torch._grouped_mm``), no Python loop over experts."""
     if any(d * x.element_size() % 16 for d in (x.shape[1], w_down.shape[2], w_gate_up.shape[1])):
         # the grouped GEMM needs 16-byte aligned rows: a loop for such (tiny) shapes
-        parts = [swiglu(rows, w_gate_up[j], w_down[j]) for j, rows in enumerate(x.split(counts.tolist()))]
+        parts = []
+        for j, rows in enumerate(x.split(counts.tolist())):
+            gu = rows @ w_gate_up[j].T
+            gu = gu if b_gate_up is None else gu + b_gate_up[j]
+            out = act(gu) @ w_down[j].T
+            parts.append(out if b_down is None else out + b_down[j])
         return torch.cat(parts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    gate, up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    return torch._grouped_mm((F.silu(gate) * up).contiguous(), w_down.transpose(1, 2), offs=offs)
+    gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)
+    if b_gate_up is not None:
+        gu = gu + torch.repeat_interleave(b_gate_up, counts, dim=0, output_size=x.shape[0])
+    out = torch._grouped_mm(act(gu).contiguous(), w_down.transpose(1, 2), offs=offs)
+    if b_down is not None:
+        out = out + torch.repeat_interleave(b_down, counts, dim=0, output_size=x.shape[0])
+    return out
 
 
 class ExpertPart(nn.Module):
@@ -40,6 +80,10 @@ class ExpertPart(nn.Module):
         n, h, i = len(self.expert_ids), cfg.hidden_size, cfg.moe_intermediate_size
         self.w_gate_up = nn.Parameter(torch.empty(n, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(n, h, i, dtype=dtype), requires_grad=False)
+        self.b_gate_up = nn.Parameter(torch.empty(n, 2 * i, dtype=dtype), requires_grad=False) \
+            if cfg.expert_bias else None
+        self.b_down = nn.Parameter(torch.empty(n, h, dtype=dtype), requires_grad=False) if cfg.expert_bias else None
+        self.act = Activation.of(cfg)
         # logical id -> index in this part; id num_experts marks "routed to another worker"
         local = torch.full((cfg.num_experts + 1,), -1, dtype=torch.int64)
         for j, e in enumerate(self.expert_ids):
@@ -57,10 +101,24 @@ class ExpertPart(nn.Module):
         pairs = hit[order]  # flat (token, slot) pairs grouped by expert, experts in held order
         counts = torch.bincount(local[pairs], minlength=len(self.expert_ids))
         tokens = pairs // k
-        res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts)
+        res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
         res = res * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, res.to(y.dtype))
         return out
+
+    def weights(self, j: int) -> tuple[torch.Tensor, ...]:
+        """Held expert j's tensors: (gate_up [2I, H], down [H, I]) and, with biases, (b_gate_up, b_down)."""
+        if self.b_gate_up is None:
+            return self.w_gate_up[j], self.w_down[j]
+        return self.w_gate_up[j], self.w_down[j], self.b_gate_up[j], self.b_down[j]
+
+    def set_weights(self, j: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Copies one expert's tensors (as ``weights`` returns them) into held slot j."""
+        mine = self.weights(j)
+        if len(tensors) != len(mine):
+            raise ValueError(f"expert weights: {len(tensors)} tensors given, {len(mine)} held")
+        for dst, src in zip(mine, tensors):
+            dst.copy_(src)
 
 
 class SharedExpert(nn.Module):

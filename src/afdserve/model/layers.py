@@ -20,28 +20,6 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding (the half-split convention of Llama/Mixtral/Qwen)."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, head_dim]; cos/sin: [T, head_dim]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate and up stacked in one [2I, H] matrix."""
     gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)

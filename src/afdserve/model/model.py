@@ -18,9 +18,13 @@ from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttentionPart, AttnMetadata
 from afdserve.model.config import ModelConfig
+from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
-from afdserve.model.layers import RMSNorm, Rotary
+from afdserve.model import gpt_oss_weights
+from afdserve.model.layers import RMSNorm
 from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.mla import MLAPart
+from afdserve.model.rope import Rope
 from afdserve.model.router import Router
 
 
@@ -37,12 +41,19 @@ class AttentionModel(nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.attn = nn.ModuleList(AttentionPart(cfg, dtype) for _ in range(cfg.num_layers))
-        self.routers = nn.ModuleList(Router(cfg, dtype) for _ in range(cfg.num_layers))
-        self.shared = nn.ModuleList(SharedExpert(cfg, dtype) for _ in range(cfg.num_layers)) if cfg.has_shared_expert else None
+        self.attn = nn.ModuleList((MLAPart(cfg, dtype) if cfg.mla is not None
+                                   else AttentionPart(cfg, dtype, cfg.window(l)))
+                                  for l in range(cfg.num_layers))
+        # keyed by str(layer): routers and shared experts of the MoE layers, MLPs of the dense ones
+        self.routers = nn.ModuleDict({str(l): Router(cfg, dtype) for l in cfg.moe_layers})
+        self.shared = nn.ModuleDict({str(l): _shared_expert(cfg, dtype) for l in cfg.moe_layers}) \
+            if cfg.has_shared_expert else None
+        self.mlps = nn.ModuleDict({str(l): DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, dtype)
+                                   for l in cfg.dense_layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rope.from_config({"rope_theta": cfg.rope_theta, **cfg.extra}, cfg.head_dim,
+                                       cfg.max_position_embeddings)
         self.requires_grad_(False)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -50,15 +61,24 @@ class AttentionModel(nn.Module):
 
     def pre_moe(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention half of a layer: returns (h, y, topk_ids, topk_weights)."""
-        h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
-        ids, w = self.routers[layer](y)
+        """Attention half of a layer: returns (h, y, topk_ids, topk_weights); ids and weights are
+        None for a dense layer (``cfg.is_moe(layer)`` false: nothing to dispatch)."""
+        if self.cfg.mla is not None:
+            h, y = self.attn[layer](x, cos_sin, meta, kv.latent(layer))
+        else:
+            h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
+        if not self.cfg.is_moe(layer):
+            return h, y, None, None
+        ids, w = self.routers[str(layer)](y)
         return h, y, ids, w
 
-    def post_moe(self, layer: int, h: torch.Tensor, y: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """Combines the routed experts' output (and the shared expert) into the layer output."""
+    def post_moe(self, layer: int, h: torch.Tensor, y: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor:
+        """Combines the routed experts' output (and the shared expert) into the layer output; a
+        dense layer (``routed`` None) runs its MLP here."""
+        if not self.cfg.is_moe(layer):
+            return h + self.mlps[str(layer)](y)
         if self.shared is not None:
-            routed = routed + self.shared[layer](y)
+            routed = routed + self.shared[str(layer)](y)
         return h + routed
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +102,10 @@ class AttentionModel(nn.Module):
             raise ModelError(f"{path}: missing tensor 'lm_head.weight'")
         for l in range(cfg.num_layers):
             p, a = f"model.layers.{l}.", m.attn[l]
+            if cfg.mla is not None:  # DeepSeek: MLA attention (with its norms), then the MLP side
+                a.load(r, p, dt)
+                _load_ffn(m, r, l, dt)
+                continue
             q = r.get(p + "self_attn.q_proj.weight", (nh * hd, h), dt)
             k = r.get(p + "self_attn.k_proj.weight", (nkv * hd, h), dt)
             vv = r.get(p + "self_attn.v_proj.weight", (nkv * hd, h), dt)
@@ -93,22 +117,45 @@ class AttentionModel(nn.Module):
                     r.get(p + "self_attn.v_proj.bias", (nkv * hd,), dt),
                 ]))
             a.o_proj.weight.copy_(r.get(p + "self_attn.o_proj.weight", (h, nh * hd), dt))
+            gpt_oss_weights.load_attention_extras(a, r, p, dt)  # o_proj bias, sinks (if the model has them)
             a.input_norm.weight.copy_(r.get(p + "input_layernorm.weight", (h,), dt))
             a.post_norm.weight.copy_(r.get(p + "post_attention_layernorm.weight", (h,), dt))
             if cfg.qk_norm:
                 a.q_norm.weight.copy_(r.get(p + "self_attn.q_norm.weight", (hd,), dt))
                 a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
-            moe = _moe_prefix(cfg, l, r)
-            m.routers[l].weight.copy_(read_router(r, cfg, l, dt))
-            if m.shared is not None:
-                s, i = m.shared[l], cfg.shared_expert_intermediate_size
-                s.w_gate_up.copy_(torch.cat([
-                    r.get(moe + ".shared_expert.gate_proj.weight", (i, h), dt),
-                    r.get(moe + ".shared_expert.up_proj.weight", (i, h), dt),
-                ]))
-                s.w_down.copy_(r.get(moe + ".shared_expert.down_proj.weight", (h, i), dt))
-                s.gate.copy_(r.get(moe + ".shared_expert_gate.weight", (1, h), dt))
+            _load_ffn(m, r, l, dt)
         return m
+
+
+def _shared_expert(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """Qwen2-MoE's gated shared expert, or DeepSeek's ungated shared experts (one wide MLP)."""
+    if cfg.shared_expert_gated:
+        return SharedExpert(cfg, dtype)
+    return DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
+
+
+def _load_ffn(m: AttentionModel, r: CheckpointReader, layer: int, dt: torch.dtype) -> None:
+    """The attention side's part of a layer's MLP: a dense layer's MLP, or a MoE layer's router and
+    shared expert."""
+    cfg, key = m.cfg, str(layer)
+    moe = _moe_prefix(cfg, layer, r)
+    if not cfg.is_moe(layer):
+        m.mlps[key].load(r, moe, dt)
+        return
+    m.routers[key] = load_router(r, cfg, layer, dt)
+    if m.shared is None:
+        return
+    s = m.shared[key]
+    if isinstance(s, DenseMLP):
+        s.load(r, moe + ".shared_experts", dt)
+        return
+    h, i = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    s.w_gate_up.copy_(torch.cat([
+        r.get(moe + ".shared_expert.gate_proj.weight", (i, h), dt),
+        r.get(moe + ".shared_expert.up_proj.weight", (i, h), dt),
+    ]))
+    s.w_down.copy_(r.get(moe + ".shared_expert.down_proj.weight", (h, i), dt))
+    s.gate.copy_(r.get(moe + ".shared_expert_gate.weight", (1, h), dt))
 
 
 class ExpertModel(nn.Module):
@@ -119,7 +166,9 @@ class ExpertModel(nn.Module):
         if len(expert_ids) != cfg.num_layers:
             raise ModelError(f"expert_ids has {len(expert_ids)} layers, model has {cfg.num_layers}")
         self.cfg, self.dtype = cfg, dtype
-        self.layers = nn.ModuleList(ExpertPart(cfg, ids, dtype) for ids in expert_ids)
+        # a dense layer holds no experts whatever the map says: its MLP is on the attention side
+        self.layers = nn.ModuleList(ExpertPart(cfg, ids if cfg.is_moe(l) else [], dtype)
+                                    for l, ids in enumerate(expert_ids))
         self.requires_grad_(False)
 
     @classmethod
@@ -141,9 +190,7 @@ class ExpertModel(nn.Module):
         m = cls(cfg, per_layer, dt)
         for l, part in enumerate(m.layers):
             for j, e in enumerate(part.expert_ids):
-                gate_up, down = read_expert(r, cfg, l, e, dt)
-                part.w_gate_up[j].copy_(gate_up)
-                part.w_down[j].copy_(down)
+                part.set_weights(j, read_expert(r, cfg, l, e, dt))
         return m
 
 
@@ -155,34 +202,44 @@ def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reade
         have = {e: j for j, e in enumerate(before.expert_ids)}
         for j, e in enumerate(part.expert_ids):
             if e in have:
-                part.w_gate_up[j].copy_(before.w_gate_up[have[e]])
-                part.w_down[j].copy_(before.w_down[have[e]])
+                part.set_weights(j, before.weights(have[e]))
             else:
-                gate_up, down = read_expert(reader, old.cfg, layer, e, old.dtype)
-                part.w_gate_up[j].copy_(gate_up)
-                part.w_down[j].copy_(down)
+                part.set_weights(j, read_expert(reader, old.cfg, layer, e, old.dtype))
     return new
 
 
 def read_router(r: CheckpointReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> torch.Tensor:
     """The router (gate) weight [E, H] of ``layer``: the one place router weights are read."""
-    return r.get(_moe_prefix(cfg, layer, r) + ".gate.weight", (cfg.num_experts, cfg.hidden_size), dtype)
+    gate = ".router" if cfg.family == "gpt_oss" else ".gate"
+    return r.get(_moe_prefix(cfg, layer, r) + gate + ".weight", (cfg.num_experts, cfg.hidden_size), dtype)
 
 
-def load_routers(r: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> list[Router]:
-    """Every layer's router, for a worker that routes without holding the attention half (JANUS's
-    expert-side gate)."""
-    routers = [Router(cfg, dtype) for _ in range(cfg.num_layers)]
-    for layer, router in enumerate(routers):
-        router.weight.copy_(read_router(r, cfg, layer, dtype))
-    return routers
+def load_router(r: CheckpointReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> Router:
+    """The router of MoE layer ``layer`` (with DeepSeek-V3's ``e_score_correction_bias``)."""
+    router = Router(cfg, dtype)
+    router.weight.copy_(read_router(r, cfg, layer, dtype))
+    if router.bias is not None:
+        name = _moe_prefix(cfg, layer, r) + ".gate.e_score_correction_bias"
+        router.bias.copy_(r.get(name, (cfg.num_experts,), torch.float32))
+    if router.logit_bias is not None:  # gpt-oss
+        router.logit_bias.copy_(r.get(_moe_prefix(cfg, layer, r) + ".router.bias", (cfg.num_experts,), dtype))
+    return router
+
+
+def load_routers(r: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> dict[int, Router]:
+    """The router of every MoE layer, for a worker that routes without holding the attention half
+    (JANUS's expert-side gate)."""
+    return {layer: load_router(r, cfg, layer, dtype) for layer in cfg.moe_layers}
 
 
 def read_expert(r: CheckpointReader, cfg: ModelConfig, layer: int, expert: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reads one routed expert's ([2I, H] gate+up, [H, I] down) in any supported layout."""
+                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Reads one routed expert's ([2I, H] gate+up, [H, I] down) in any supported layout (and its
+    biases, for gpt-oss: ``ExpertPart.weights``)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     moe = _moe_prefix(cfg, layer, r)
+    if cfg.family == "gpt_oss":
+        return gpt_oss_weights.read_expert(r, cfg, moe, expert, dtype)
     p = f"{moe}.experts.{expert}."
     if cfg.family == "mixtral" and p + "w1.weight" in r:
         gate, up, down = p + "w1.weight", p + "w3.weight", p + "w2.weight"

@@ -2,11 +2,10 @@
 
 The config is parsed by the model package's parser, :class:`afdserve.model.config.ModelConfig` (the
 one the runtime serves models with); :func:`from_model_config` takes its shapes and reads from the
-raw config only what the performance model needs beyond them: the weights' bytes per parameter,
-dense layers, shared experts and latent attention (MLA).
+raw config only the weights' bytes per parameter. Dense layers, shared experts and DeepSeek's latent
+attention (MLA) are as the runtime reads them, so the KV bytes per token are the allocator's.
 
-A family the runtime does not serve (DBRX, DeepSeek-V2/V3, MoEs with dense layers, other configs
-with the common key names) is handed to the same parser in the key layout of a plain Mixtral-style
+A family the runtime does not serve (DBRX, other configs with the common key names) is handed to the same parser in the key layout of a plain Mixtral-style
 MoE (:func:`_as_plain_moe`: DBRX's names renamed, the routed experts' width and count under
 Mixtral's keys).
 """
@@ -36,11 +35,9 @@ def _dtype_bytes(raw: Mapping[str, Any]) -> float:
 
 
 def _served(raw: Mapping[str, Any]) -> bool:
-    """Whether ``ModelConfig`` reads ``raw`` as it is: a family the runtime serves, every layer MoE."""
+    """Whether ``ModelConfig`` reads ``raw`` as it is: a family the runtime serves."""
     archs = raw.get("architectures") or []
-    family = any(a in ARCHITECTURES for a in archs) or raw.get("model_type") in ARCHITECTURES.values()
-    dense = int(raw.get("decoder_sparse_step", 1) or 1) != 1 or bool(raw.get("mlp_only_layers"))
-    return family and not dense
+    return any(a in ARCHITECTURES for a in archs) or raw.get("model_type") in ARCHITECTURES.values()
 
 
 def _first(raw: Mapping[str, Any], *keys: str) -> Any:
@@ -64,61 +61,39 @@ def _as_plain_moe(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {**raw, **present, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
 
 
-def _mla(raw: Mapping[str, Any], source: str) -> MLAConfig:
-    def need(key: str) -> int:
-        if raw.get(key) is None:
-            raise ModelError(f"{source}: missing field {key!r} required for multi-head latent attention")
-        return int(raw[key])
-
-    q_lora = raw.get("q_lora_rank")
-    return MLAConfig(kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
-                     qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-                     q_lora_rank=int(q_lora) if q_lora else None)
-
-
 def from_model_config(cfg: ModelConfig, raw: Mapping[str, Any] | None = None, name: str | None = None,
                       source: str = "config.json") -> ModelSpec:
-    """The planner's view of a model: its shapes from ``cfg``; from ``raw`` (default: the config
-    ``cfg`` was read from) the bytes per parameter and what ``ModelConfig`` does not describe --
-    dense layers (Qwen-MoE ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek's first layers),
-    shared experts and DeepSeek's latent attention."""
+    """The planner's view of a model: its shapes as ``ModelConfig`` parsed them -- dense layers
+    (Qwen-MoE ``mlp_only_layers`` / ``decoder_sparse_step``, DeepSeek's first layers), shared
+    experts, DeepSeek's latent attention, whose KV bytes are those the runtime's allocator holds --
+    and from ``raw`` (default: the config ``cfg`` was read from) the bytes per parameter."""
     raw = cfg.extra if raw is None else raw
-    mtype = str(raw.get("model_type", "")).lower()
-    common: dict[str, Any] = dict(
-        name=name or str(raw.get("_name_or_path") or mtype or "model"),
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.moe_intermediate_size,
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        num_attention_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bytes_per_param=_dtype_bytes(raw),
-        source=source,
-    )
-    if mtype.startswith("deepseek"):
-        mla = _mla(raw, source)
-        n_shared = int(raw.get("n_shared_experts") or 0)
-        common["head_dim"] = mla.v_head_dim  # unused by MLA formulas; the per-head value width
-        return ModelSpec(num_shared_experts=n_shared, shared_intermediate_size=n_shared * cfg.moe_intermediate_size,
-                         num_dense_layers=int(raw.get("first_k_dense_replace") or 0),
-                         dense_intermediate_size=int(raw.get("intermediate_size") or 0), mla=mla, **common)
+    mla = None
+    if cfg.mla is not None:
+        a = cfg.mla
+        mla = MLAConfig(kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+                        qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, q_lora_rank=a.q_lora_rank)
     shared = cfg.shared_expert_intermediate_size or int(raw.get("shared_expert_intermediate_size") or 0)
-    step = int(raw.get("decoder_sparse_step", 1) or 1)
-    n_dense = len(raw.get("mlp_only_layers") or []) + (cfg.num_layers - cfg.num_layers // step if step > 1 else 0)
-    return ModelSpec(num_shared_experts=1 if shared else 0, shared_intermediate_size=shared, num_dense_layers=n_dense,
-                     dense_intermediate_size=int(raw.get("intermediate_size") or 0) if n_dense else 0, **common)
+    n_shared = int(raw.get("n_shared_experts") or 0) if cfg.mla is not None else 1
+    return ModelSpec(
+        name=name or str(raw.get("_name_or_path") or raw.get("model_type") or "model"),
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.num_experts, top_k=cfg.top_k, num_attention_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim,  # MLA: the per-head value width
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, bytes_per_param=_dtype_bytes(raw), source=source,
+        num_shared_experts=n_shared if shared else 0, shared_intermediate_size=shared,
+        num_dense_layers=len(cfg.dense_layers), dense_intermediate_size=cfg.dense_intermediate_size, mla=mla)
 
 
 def from_hf_config(raw: Mapping[str, Any], name: str | None = None, source: str = "config.json") -> ModelSpec:
     """A :class:`ModelSpec` from a parsed Hugging Face ``config.json``: Mixtral, Qwen2-MoE and
     Qwen3-MoE (as the runtime reads them), DBRX, DeepSeek-V2/V3, and other MoE configs with the
-    common key names (``num_local_experts``/``num_experts``/``n_routed_experts``)."""
-    cfg = ModelConfig.from_dict(dict(raw) if _served(raw) else _as_plain_moe(raw), source=source)
+    common key names (``num_local_experts``/``num_experts``/``n_routed_experts``). A quantized
+    checkpoint (which the runtime refuses) is planned with its shapes and its weights' bytes."""
+    shapes = {k: v for k, v in raw.items() if k != "quantization_config"}
+    cfg = ModelConfig.from_dict(shapes if _served(raw) else _as_plain_moe(shapes), source=source)
     return from_model_config(cfg, raw, name, source)
 
 

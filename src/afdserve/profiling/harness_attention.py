@@ -44,8 +44,8 @@ def measure_attention(
         n_e = max(1, min(int(n_e), cfg.num_experts))
         meta, blocks = decode_metadata(b, s, block_size)
         kv = kv_cache(cfg, blocks, block_size, dt)
-        kv.k.normal_(0, 1, generator=gen)
-        kv.v.normal_(0, 1, generator=gen)
+        for t in kv.tensors():
+            t.normal_(0, 1, generator=gen)
         emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, n_e)
         runner = attention_runner(model, kv, LoopbackLinks(cfg.hidden_size, dt), emap, Tracer("profile"))
         x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)

@@ -44,7 +44,7 @@ class Checkpoint:
 
 
 def kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVCache:
-    return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype)
+    return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, cfg.kv_latent_dim)
 
 
 def decode_metadata(b: int, s: int, block_size: int = BLOCK_SIZE) -> tuple[AttnMetadata, int]:

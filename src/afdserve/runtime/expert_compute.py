@@ -15,7 +15,7 @@ class ExpertCompute:
     workers. With the expert-side gate, the router runs here on the full activations, and the
     expert map (of the version the sender used) says which (token, k) pairs are this worker's."""
 
-    def __init__(self, experts: ExpertModel, routers: list[Router] | None, worker: int,
+    def __init__(self, experts: ExpertModel, routers: dict[int, Router] | None, worker: int,
                  maps: dict[int, ExpertMap], tracker: LoadTracker | None = None):
         self.experts, self.routers, self.worker, self.maps = experts, routers, worker, maps
         self.tracker = tracker  # records logical routing when the gate runs here

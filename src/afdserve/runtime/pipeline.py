@@ -74,9 +74,11 @@ class PipelinedRunner:
                 logits.append(m.logits(x[i][local_rows[i]]))
         return torch.cat(logits)
 
-    def dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
-                  w: torch.Tensor) -> InFlight:
+    def dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None,
+                  w: torch.Tensor | None) -> InFlight:
         parts: list[tuple[int, torch.Tensor | None]] = []
+        if not self.model.cfg.is_moe(layer):  # a dense layer: its MLP runs in combine, nothing is sent
+            return InFlight(h, y, parts)
         n_exp = self.model.cfg.num_experts
         with self.tracer.span("send", mb=mb, layer=layer):
             if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
@@ -100,6 +102,9 @@ class PipelinedRunner:
         return InFlight(h, y, parts)
 
     def combine(self, mb: int, layer: int, f: InFlight) -> torch.Tensor:
+        if not self.model.cfg.is_moe(layer):
+            with self.tracer.span("attention", mb=mb, layer=layer, phase="dense_mlp"):
+                return self.model.post_moe(layer, f.h, f.y, None)
         routed = torch.zeros_like(f.y)
         # a dead peer is detected at once; a stalled one after the deadline, which grows with the
         # work in flight (a large prefill keeps an expert busy for a while)
