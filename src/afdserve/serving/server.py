@@ -219,7 +219,7 @@ def serve(cfg: EngineConfig, opts: ServerOptions) -> None:
         progress("admin endpoints at /admin (Authorization: Bearer <admin token>)")
     if cfg.model is None:
         progress("note: the demo model has random weights, so its text is gibberish; serve a real model with "
-                 "--model /path/to/hf-folder (Mixtral, Qwen2-MoE, Qwen3-MoE)")
+                 "--model /path/to/hf-folder (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss)")
     _run(list(_servers(app, opts, sock, admin_sock)))
 
 
