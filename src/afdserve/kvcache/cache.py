@@ -25,6 +25,21 @@ class KVCache:
     def values(self, layer: int) -> torch.Tensor:
         return self.v[layer]
 
+    def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one block's keys and values, ``[num_layers, block_size, kv_heads, head_dim]`` each."""
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        return self.k[:, s], self.v[:, s]
+
+    def write_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        dk, dv = self.read_block(block)
+        dk.copy_(k, non_blocking=True)
+        dv.copy_(v, non_blocking=True)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's keys and values (all layers)."""
+        return 2 * self.k[:, : self.block_size].numel() * self.k.element_size()
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype) -> int:
