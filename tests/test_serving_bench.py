@@ -75,6 +75,15 @@ def test_summary_figures():
     assert "TBT SLO 150 ms" in format_table(s)
 
 
+def test_summary_splits_ttft_by_prefix_cache_hit():
+    rs = [RequestResult(prompt_len=100, output_len=2, ttft=t, latency=1.0, gaps=[0.1], ok=True, cached_tokens=c)
+          for t, c in ((0.4, 0), (0.5, 0), (0.1, 96), (0.2, 64), (0.3, None))]  # None: the server did not say
+    s = summarize(rs, duration_s=1.0, slo_tbt_ms=150)
+    assert s["ttft_cache_hit_ms"]["mean"] == pytest.approx(150) and s["ttft_cache_miss_ms"]["mean"] == pytest.approx(450)
+    assert s["cache_hit_requests"] == 2 and s["cached_tokens"] == 160
+    assert "prefix-cache hits" in format_table(s)
+
+
 def test_bench_serve_cli(tiny_mixtral, tmp_path, capsys):
     app = build_app(EngineConfig(model=str(tiny_mixtral), num_kv_blocks=64), ServerOptions(served_model_name="tiny"))
     with BackgroundServer(app) as url:

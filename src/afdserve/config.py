@@ -29,6 +29,11 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gb
     num_threads: int | None = None  # torch threads of this process (None: leave as is)
+    # automatic prefix caching (afdserve.kvcache.block_manager); the tiers are per attention worker
+    enable_prefix_caching: bool = True
+    prefix_cache_host_gb: float = 1.0  # host memory for blocks evicted from the KV cache (0: no host tier)
+    prefix_cache_dir: str | None = None  # disk tier, kept across restarts (None: no disk tier)
+    prefix_cache_disk_gb: float = 10.0  # bound of the disk tier
     seed: int = 0
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
     attention_workers: int = 1
@@ -65,6 +70,12 @@ class EngineConfig:
         check("kv_cache_gb", isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0, "must be > 0")
         check("num_kv_blocks", self.num_kv_blocks is None or (is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
               "must be an integer >= 1")
+        check("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool), "must be true or false")
+        for name in ("prefix_cache_host_gb", "prefix_cache_disk_gb"):
+            v = getattr(self, name)
+            check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, "must be >= 0")
+        check("prefix_cache_dir", self.prefix_cache_dir is None or (isinstance(self.prefix_cache_dir, str)
+              and self.prefix_cache_dir != ""), "must be a non-empty path or None")
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")

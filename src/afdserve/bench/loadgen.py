@@ -28,6 +28,7 @@ class RequestResult:
     index: int = 0  # of the request in the list given to run_load
     token_ids: list[int] = field(default_factory=list)  # generated (the server returns them)
     output_len: int = 0  # tokens generated (server-reported)
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache (usage, when reported)
     start: float = 0.0  # seconds since the run began
     ttft: float | None = None
     latency: float = 0.0
@@ -96,6 +97,9 @@ async def send(client: httpx.AsyncClient, spec: LoadSpec, req: BenchRequest, t0:
                     return res
                 if chunk.get("usage"):
                     res.output_len = int(chunk["usage"]["completion_tokens"])
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        res.cached_tokens = int(details["cached_tokens"])
                 for choice in chunk.get("choices") or ():
                     res.token_ids += choice.get("token_ids") or []
                     n = len(choice.get("token_ids") or ())

@@ -1,7 +1,8 @@
 """A serving benchmark's results: throughput, latency percentiles, TBT SLO attainment; printed as a
 table, written as JSON and plotted.
 
-* TTFT: from sending a request to its first token.
+* TTFT: from sending a request to its first token; also split by prefix-cache hit (requests whose
+  usage reported ``prompt_tokens_details.cached_tokens`` > 0) and miss.
 * TBT (time between tokens): every gap between consecutive output tokens of a request (a chunk of
   k tokens after a gap g counts as k gaps of g/k).
 * TPOT: a request's mean TBT, (latency - TTFT) / (output tokens - 1).
@@ -52,6 +53,10 @@ def summarize(results: list[RequestResult], duration_s: float, slo_tbt_ms: float
         "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s > 0 else 0.0,
         "input_tokens": in_tokens, "output_tokens": out_tokens,
         "ttft_ms": _pcts([r.ttft for r in done if r.ttft is not None], 1000),
+        "ttft_cache_hit_ms": _pcts([r.ttft for r in done if r.ttft is not None and (r.cached_tokens or 0) > 0], 1000),
+        "ttft_cache_miss_ms": _pcts([r.ttft for r in done if r.ttft is not None and r.cached_tokens == 0], 1000),
+        "cache_hit_requests": sum((r.cached_tokens or 0) > 0 for r in done),
+        "cached_tokens": sum(r.cached_tokens or 0 for r in done),
         "tbt_ms": _pcts(gaps, 1000),
         "tpot_ms": _pcts(tpot, 1000),
         "e2e_latency_s": _pcts([r.latency for r in done], 1),
@@ -73,12 +78,15 @@ def format_table(s: dict[str, Any]) -> str:
         ("output token throughput (tok/s)", _f(s["output_token_throughput"])),
         ("total token throughput (tok/s)", _f(s["total_token_throughput"])),
     ]
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("tbt_ms", "TBT (ms)"), ("tpot_ms", "TPOT (ms)"),
+    for key, label in (("ttft_ms", "TTFT (ms)"), ("ttft_cache_hit_ms", "  prefix-cache hits"),
+                       ("ttft_cache_miss_ms", "  misses"), ("tbt_ms", "TBT (ms)"), ("tpot_ms", "TPOT (ms)"),
                        ("e2e_latency_s", "E2E latency (s)")):
         d = s[key]
         rows.append((f"{label} mean / p50 / p90 / p99",
                      " / ".join(_f(d[k], "{:.2f}" if key == "e2e_latency_s" else "{:.1f}")
                                 for k in ("mean", "p50", "p90", "p99"))))
+    rows.insert(5, ("prefix-cache hits (requests / cached prompt tokens)",
+                    f"{s['cache_hit_requests']} / {s['cached_tokens']} of {s['input_tokens']}"))
     att = s["tbt_slo_attainment"]
     tok = s["tbt_slo_token_share"]
     rows.append((f"TBT SLO {s['slo_tbt_ms']:g} ms: requests / token gaps within",

@@ -18,6 +18,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory per attention worker")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
+    c = p.add_argument_group("prefix cache")
+    c.add_argument("--no-prefix-cache", action="store_true",
+                   help="disable automatic prefix caching (reuse of the KV blocks of repeated prompt prefixes)")
+    c.add_argument("--prefix-cache-host-gb", type=float, default=1.0, metavar="GB",
+                   help="host memory per attention worker for KV blocks evicted from the KV cache (0: none)")
+    c.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="disk tier: KV blocks pushed out of host memory (and all cached blocks at shutdown) are "
+                        "kept here, across restarts (default: no disk tier)")
+    c.add_argument("--prefix-cache-disk-gb", type=float, default=10.0, metavar="GB",
+                   help="size bound of the disk tier per attention worker")
     d = p.add_argument_group("deployment")
     d.add_argument("--attention-workers", type=int, default=1, help="attention workers (data parallel)")
     d.add_argument("--expert-workers", type=int, default=0, help="expert workers (expert parallel); 0 = colocated")
@@ -45,6 +55,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
+              enable_prefix_caching=not args.no_prefix_cache, prefix_cache_host_gb=args.prefix_cache_host_gb,
+              prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_gb=args.prefix_cache_disk_gb,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),

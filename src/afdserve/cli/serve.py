@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /detokenize, /version, /health, /ready, /metrics; /admin/* with "
+                    "/v1/models, /v1/jobs, /tokenize, /detokenize, /version, /health, /ready, /metrics; /admin/* with "
                     "--admin-token or --admin-port). Default deployment: the "
                     "built-in demo model (random weights: its text is gibberish; --model serves a real Hugging Face "
                     "folder), disaggregated on this machine (1 attention worker + 1 expert worker, 2 micro-batches); "
@@ -42,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     e.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, requests in flight get this long to finish; then streams end "
                         "with an error event and [DONE]")
+    e.add_argument("--job-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="a finished job's result (POST /v1/jobs) is kept this long")
+    e.add_argument("--max-jobs", type=int, default=1024, metavar="N",
+                   help="jobs kept at once (running and finished); more are refused with 429")
     t = p.add_argument_group("chat and tool calling")
     t.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (default: the tokenizer_config.json's chat_template)")
@@ -74,5 +78,6 @@ def main(args: argparse.Namespace) -> int:
                                              tool_call_parser=args.tool_call_parser,
                                              admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
                                              admin_port=args.admin_port, max_body_bytes=args.max_body_bytes,
-                                             shutdown_grace_s=args.shutdown_grace))
+                                             shutdown_grace_s=args.shutdown_grace, job_ttl_s=args.job_ttl,
+                                             max_jobs=args.max_jobs))
     return 0

@@ -20,11 +20,12 @@ from typing import Any, Callable, Iterator
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
+from afdserve.cluster.prefix_routing import PrefixRecord, record_capacity
 from afdserve.cluster.process_launcher import start_store
 from afdserve.cluster.supervisor import Membership
 from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
-from afdserve.engine.builder import context_len, front_end_tokenizer, resolve_model
+from afdserve.engine.builder import context_len, front_end_tokenizer, prefix_config, resolve_model
 from afdserve.engine.client import RebalanceResult
 from afdserve.engine.frontend import FrontEnd
 from afdserve.engine.outputs import TokenOutput
@@ -76,6 +77,10 @@ class ClusterClient(FrontEnd):
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> what to re-admit
         self.balancer = AttentionBalancer(self.attention, attention_request_cost(cfg.attention_cost)) \
             if cfg.attention_cost else AttentionBalancer(self.attention)
+        prefix = prefix_config(cfg, path)  # cache-aware routing: where each request's prompt blocks went
+        self.routes = PrefixRecord(self.attention, cfg.block_size, prefix.salt,
+                                   record_capacity(cfg, self.model_cfg, self.max_model_len)) \
+            if prefix is not None and len(self.attention) > 1 else None
         self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
         self._held: list[TokenOutput] = []  # outputs that arrived during a control call
         self._closed = False
@@ -131,7 +136,12 @@ class ClusterClient(FrontEnd):
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self.failed:
             raise WorkerError(f"deployment failed: {self.failed}")
-        target = self.balancer.pick(len(prompt_token_ids), params.max_tokens)  # least predicted attention time
+        keys = self.routes.key(prompt_token_ids) if self.routes is not None else []
+        cached = self.routes.match(keys) if keys and self.routes is not None else None
+        # least predicted attention time, or the longest cached prefix while its load is not far above
+        target = self.balancer.pick(len(prompt_token_ids), params.max_tokens, cached)
+        if keys and self.routes is not None:
+            self.routes.add(target, keys)
         self.balancer.add(target, request_id, len(prompt_token_ids))
         self.owner[request_id] = target
         self.lengths[request_id] = len(prompt_token_ids)
@@ -207,6 +217,8 @@ class ClusterClient(FrontEnd):
                            map_version=self.map_version)
             self.workers[n] = self._launch(spec)
             if n in self.attention:
+                if self.routes is not None:
+                    self.routes.forget(n)  # a new process: its prefix cache is empty
                 self._readmit(n)
         for n in survivors:
             self.workers[n].send(Regroup(rec.epoch, group))
@@ -219,6 +231,8 @@ class ClusterClient(FrontEnd):
             if owner == worker:
                 prompt, params = self.requests[rid]
                 self.workers[worker].send(AddRequest(rid, prompt, params, self.outputs.tokens_so_far(rid)))
+                if self.routes is not None:  # recomputed there: its prompt blocks will be cached there
+                    self.routes.add(worker, self.routes.key(prompt))
 
     def _fail_all(self, name: str | None, reason: str) -> list[TokenOutput]:
         """Fails every in-flight request with an error naming the failed worker."""

@@ -11,6 +11,7 @@ import time
 from afdserve.balance.load import LoadSnapshot
 from afdserve.config import micro_batch_sizes
 from afdserve.engine.stats import BusyMeter, EngineStats, cpu_seconds
+from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.runtime.messages import AttentionStats, ExpertStats
 
 
@@ -19,6 +20,7 @@ class ClusterStats:
         self.attention, self.experts, self.threads = attention, experts, threads
         self.latest: dict[str, AttentionStats | ExpertStats] = {}
         self.loads: dict[str, str] = {}  # worker -> its last reported load window (JSON)
+        self.prefix: dict[str, PrefixCacheStats] = {}  # attention worker -> its last reported prefix cache
         self.busy: dict[str, float] = {}
         self.meter = BusyMeter()
         self.load: LoadSnapshot | None = None
@@ -33,6 +35,8 @@ class ClusterStats:
         self.latest[worker] = stats
         if stats.load is not None:
             self.loads[worker] = stats.load
+        if isinstance(stats, AttentionStats) and stats.prefix is not None:
+            self.prefix[worker] = stats.prefix
 
     def refresh(self, pids: dict[str, int | None]) -> None:
         loads = [LoadSnapshot.from_json(js) for js in self.loads.values()]
@@ -55,7 +59,8 @@ class ClusterStats:
             running=sum(s.running for s in att), waiting=sum(s.waiting for s in att),
             kv_usage={a: st.kv_usage for a in self.attention if isinstance(st := self.latest.get(a), AttentionStats)},
             expert_tokens=self.expert_tokens, expert_worker_tokens=per_worker, busy_seconds=dict(self.busy),
-            busy_fraction=dict(self.meter.fraction), expert_load=self.load, micro_batch_sizes=sizes)
+            busy_fraction=dict(self.meter.fraction), expert_load=self.load, micro_batch_sizes=sizes,
+            prefix_cache=dict(self.prefix))
 
     def _expert_tokens(self) -> list[list[int]]:
         """Per layer and expert, the tokens the expert workers computed (each worker counts the

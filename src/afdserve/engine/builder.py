@@ -19,6 +19,7 @@ from afdserve.engine.tokenizer import TokenizerInfo, load_tokenizer
 from afdserve.errors import ConfigError, ModelError
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.cache import KVCache
+from afdserve.kvcache.prefix import PrefixCacheConfig, model_salt
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.model import AttentionModel, ExpertModel
@@ -85,7 +86,17 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
     kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,
                  model_cfg.kv_latent_dim)
-    return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size), max_len)
+    return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len)
+
+
+def prefix_config(cfg: EngineConfig, path: Path) -> PrefixCacheConfig | None:
+    """The prefix cache of an engine over the model at ``path`` (None: disabled). Keys are salted with
+    the model's identity, dtype and block size, so a disk tier of another model or dtype is never used."""
+    if not cfg.enable_prefix_caching:
+        return None
+    return PrefixCacheConfig(model_salt(path, cfg.dtype, cfg.dtype, cfg.block_size),
+                             host_bytes=int(cfg.prefix_cache_host_gb * 2**30), disk_dir=cfg.prefix_cache_dir,
+                             disk_bytes=int(cfg.prefix_cache_disk_gb * 2**30))
 
 
 def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_token_ids: set[int],

@@ -17,6 +17,7 @@ from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.stats import BusyMeter, EngineStats
 from afdserve.engine.tokenizer import TokenizerInfo
 from afdserve.errors import ConfigError
+from afdserve.kvcache.prefix import PrefixCacheStats
 
 NAME = "engine"  # the one worker this deployment reports on
 
@@ -31,6 +32,7 @@ class ColocatedClient(FrontEnd):
         self._load: LoadSnapshot | None = None
         self._expert_tokens: list[list[int]] = []
         self._sizes: list[int] = []
+        self._prefix: dict[str, PrefixCacheStats] = {}
 
     # ---- FrontEnd: the engine core in this thread ---------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -57,12 +59,13 @@ class ColocatedClient(FrontEnd):
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting),
                            kv_usage={NAME: self.engine.blocks.usage}, expert_tokens=self._expert_tokens,
                            busy_seconds={NAME: self._busy}, busy_fraction=dict(self._meter.fraction),
-                           expert_load=self._load, micro_batch_sizes=sizes)
+                           expert_load=self._load, micro_batch_sizes=sizes, prefix_cache=self._prefix)
 
     def refresh_stats(self) -> None:
         self._meter.update({NAME: self._busy}, time.monotonic())
         self._load = self.experts.tracker.snapshot()
         self._expert_tokens = self.experts.counts.tolist()
+        self._prefix = {NAME: self.engine.prefix_stats()}
 
     def expert_load(self) -> LoadSnapshot | None:
         return self.experts.tracker.snapshot()
@@ -76,4 +79,4 @@ class ColocatedClient(FrontEnd):
             raise ConfigError(f"invalid micro_batches={m}: the colocated engine runs whole batches (expert_workers=0)")
 
     def shutdown(self) -> None:
-        pass
+        self.engine.close()  # the prefix cache's disk tier keeps its blocks for the next start

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from afdserve.engine.outputs import TokenOutput
+from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import Runner
 from afdserve.engine.sampler import SamplingInputs, position_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
@@ -23,6 +23,7 @@ from afdserve.engine.scheduler import Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
 from afdserve.errors import RequestError
 from afdserve.kvcache.block_manager import BlockManager
+from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.model.attention import AttnMetadata
 
 
@@ -63,6 +64,7 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.last_step = StepStats()
         self.grammars = grammars
+        self._reported: set[str] = set()  # requests whose first output (with num_cached_tokens) is out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None) -> None:
@@ -93,6 +95,14 @@ class Engine:
         self._finish(seq)
         return True
 
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters and tier usage of this engine's KV cache."""
+        return self.blocks.stats()
+
+    def close(self) -> None:
+        """At shutdown: writes the cached blocks to the disk tier (if any), for the next start."""
+        self.blocks.persist()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
@@ -103,7 +113,7 @@ class Engine:
             self.last_step = StepStats()
             return []
         input_ids: list[int] = []
-        kv_slots, qlens, rows, sampled, prompt_rows = [], [], [], [], []
+        kv_slots, qlens, rows, sampled, prompt_rows, partial = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start, total = seq.num_computed, seq.num_computed + n
             first_row = len(input_ids)
@@ -116,6 +126,8 @@ class Engine:
                     prompt_rows.append((seq, first_row + pos - start, pos + 1))
             if batch.samples(i):
                 sampled.append((seq, len(input_ids) - 1))
+            else:  # a chunk of a longer prefill: reported as progress
+                partial.append(seq)
         rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
         meta = AttnMetadata.build(qlens, kv_slots)
         order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
@@ -123,20 +135,23 @@ class Engine:
                                      rows if order is None else rows[order])
         if order is not None:
             logits = torch.empty_like(logits).index_copy_(0, order, logits)
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed += n
-            if self.kv_window:  # the next token (position num_computed) attends from here on
+        self.scheduler.advance(batch)  # num_computed; full blocks become cached
+        if self.kv_window:  # the next token (position num_computed) attends from here on
+            for seq in batch.seqs:
                 self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
         if prompt_rows:
             lp = torch.log_softmax(logits[len(sampled):], dim=-1)
             for j, (seq, _, pos) in enumerate(prompt_rows):
                 tok = seq.prompt_token_ids[pos]
                 seq.prompt_logprobs.append(position_logprobs(lp[j], tok, seq.params.prompt_logprobs or 0))
-        outs = []
+        outs = [TokenOutput(seq.request_id, [], num_cached_tokens=self._first_output(seq),
+                            prefill=PrefillProgress(seq.num_computed, seq.num_tokens)) for seq in partial]
         if sampled:
-            outs = self._sample(logits[: len(sampled)], [seq for seq, _ in sampled])
+            outs += self._sample(logits[: len(sampled)], [seq for seq, _ in sampled])
         num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - t0)
+        if batch.num_tokens > num_decode:  # measured prefill rate: restore-versus-recompute decisions
+            self.blocks.observe_prefill(batch.num_tokens - num_decode, self.last_step.seconds)
         return outs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOutput]:
@@ -151,14 +166,22 @@ class Engine:
             outs.append(TokenOutput(seq.request_id, [tok], seq.finish_reason, seq.stop_reason,
                                     logprobs=None if lp is None else [lp],
                                     prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs
-                                    is not None else None))
+                                    is not None else None, num_cached_tokens=self._first_output(seq)))
             if seq.finish_reason is not None:
                 self._finish(seq)
         return outs
 
+    def _first_output(self, seq: Sequence) -> int | None:
+        """``seq.num_cached_tokens`` on the request's first output, else None."""
+        if seq.request_id in self._reported:
+            return None
+        self._reported.add(seq.request_id)
+        return seq.num_cached_tokens
+
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         del self.seqs[seq.request_id]
+        self._reported.discard(seq.request_id)
         if self.grammars is not None and seq.grammar is not None:
             self.grammars.remove(seq)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from afdserve.engine.detokenizer import IncrementalDetokenizer
-from afdserve.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs,
-                                     TokenOutput)
+from afdserve.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, PrefillProgress, RequestOutput,
+                                     TokenLogprobs, TokenOutput)
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import TokenizerInfo
 
@@ -45,6 +45,20 @@ class _Request:
     engine_ids: list[str]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None
+    prefill: PrefillProgress | None = None
+
+    def progress(self, o: TokenOutput) -> None:
+        """Takes in the prefill's progress: the first report of cached tokens, and positions done,
+        never going back (a preempted or re-admitted request recomputes), complete with a token."""
+        if o.num_cached_tokens is not None and self.num_cached_tokens is None:
+            self.num_cached_tokens = o.num_cached_tokens
+        p = o.prefill
+        if p is None and o.new_token_ids:  # a token: the prefill is complete
+            total = self.prefill.total if self.prefill is not None else len(self.prompt_token_ids)
+            p = PrefillProgress(total, total)
+        if p is not None and (self.prefill is None or p.done > self.prefill.done):
+            self.prefill = PrefillProgress(min(p.done, p.total), p.total)
 
     @property
     def finished(self) -> bool:
@@ -108,6 +122,7 @@ class OutputProcessor:
             if s.finish_reason is not None:
                 continue  # a stop string finished it; the abort is on its way
             changed[rid] = r
+            r.progress(o)
             if o.prompt_logprobs is not None and r.prompt_logprobs is None:
                 r.prompt_logprobs = [None] + [self._position(lp) for lp in o.prompt_logprobs]
             if self._extend(r, s, o):
@@ -117,7 +132,8 @@ class OutputProcessor:
         outputs = []
         for rid, r in changed.items():
             outputs.append(RequestOutput(rid, r.prompt, r.prompt_token_ids, [s.output(i) for i, s in enumerate(r.seqs)],
-                                         finished=r.finished, error=r.error, prompt_logprobs=r.prompt_logprobs))
+                                         finished=r.finished, error=r.error, prompt_logprobs=r.prompt_logprobs,
+                                         num_cached_tokens=r.num_cached_tokens, prefill=r.prefill))
             if r.finished:
                 self.drop(rid)
         return outputs, stopped

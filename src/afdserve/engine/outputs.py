@@ -30,10 +30,20 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]  # the chosen token first, then the top alternatives by rank
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far a request's prefill is: positions whose K/V are computed (prefix-cache hits
+    included) out of the positions it prefills (the prompt, plus a re-admitted request's tokens)."""
+
+    done: int
+    total: int
+
+
 @dataclass
 class TokenOutput:
     """A request's progress in one engine step, as the engine core (or an attention worker) reports
-    it: the tokens it sampled and, once it is done, why."""
+    it: the tokens it sampled and, once it is done, why; or, for a step that computed a chunk of a
+    longer prefill, no tokens and ``prefill``."""
 
     request_id: str
     new_token_ids: list[int]
@@ -42,6 +52,8 @@ class TokenOutput:
     error: str | None = None  # set when the request failed (a worker fault)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (with the first new token)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (on the request's first output)
+    prefill: PrefillProgress | None = None  # a step that computed part of the prompt (no new tokens then)
 
     @property
     def finished(self) -> bool:
@@ -68,3 +80,5 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first prompt token
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (once known)
+    prefill: PrefillProgress | None = None  # the prefill's progress so far (None before the first report)

@@ -5,6 +5,11 @@ then waiting ones in arrival order while the token budget, the sequence limit an
 blocks allow. When a running sequence needs a block and none is free, the most recently arrived
 running sequence is preempted: its blocks are freed and it goes back to the front of the queue to
 be recomputed later. Nothing is ever dropped.
+
+With prefix caching, a waiting sequence starts with the longest chain of cached full blocks of its
+tokens (``afdserve.kvcache.block_manager``), capped so that at least one token is computed (for its
+logits) and, for a request asking for prompt logprobs, so that no logprob it still needs is skipped.
+After each step the blocks filled by it are registered, so a preempted sequence's blocks stay cached.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from afdserve.engine.sequence import Sequence, Status
-from afdserve.kvcache.block_manager import BlockManager
+from afdserve.kvcache.block_manager import BlockManager, PrefixHit
+from afdserve.kvcache.prefix import block_hashes
 
 
 @dataclass(frozen=True)
@@ -92,14 +98,27 @@ class Scheduler:
             budget -= n
             i += 1
         # Newly preempted sequences wait for the next step, so they don't take back blocks now.
+        bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq in batch.preempted:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
+            hit = self._lookup(seq)
+            n = min(seq.num_tokens - hit.num_blocks * bs, budget)
+            if not self.blocks.can_admit(hit, hit.num_blocks * bs + n):
                 break
             self.waiting.popleft()
+            seq.num_computed = self.blocks.acquire(seq.seq_id, hit, seq.num_tokens)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed
+            # a restore that failed (a lost or invalid file) leaves fewer tokens cached: fit what is free
+            room = (len(self.blocks.tables[seq.seq_id]) + self.blocks.num_free) * bs - seq.num_computed
+            n = min(seq.num_tokens - seq.num_computed, budget, room)
+            if n <= 0:
+                self.blocks.free(seq.seq_id)
+                seq.num_computed = 0
+                self.waiting.appendleft(seq)
+                break
             self.blocks.reserve(seq.seq_id, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -107,3 +126,27 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def advance(self, batch: Batch) -> None:
+        """After a step ran: the batch's tokens are computed; full blocks become cached."""
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            if self.blocks.enabled:
+                self.blocks.commit(seq.seq_id, self._keys(seq), seq.num_computed)
+
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        """The sequence's chain keys, extended to all its full blocks."""
+        bs, have = self.blocks.block_size, len(seq.block_hashes)
+        full = seq.num_tokens // bs
+        if full > have and self.blocks.salt is not None:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes.extend(block_hashes(seq.tokens(have * bs, full * bs), bs, self.blocks.salt, parent))
+        return seq.block_hashes
+
+    def _lookup(self, seq: Sequence) -> PrefixHit:
+        if not self.blocks.enabled or seq.num_computed:
+            return PrefixHit()
+        limit = seq.num_tokens - 1  # the last token is computed: its logits sample the next one
+        if seq.params.prompt_logprobs is not None:
+            limit = min(limit, len(seq.prompt_logprobs))  # positions whose prompt logprobs are known
+        return self.blocks.lookup(self._keys(seq), limit // self.blocks.block_size)

@@ -36,6 +36,8 @@ class Sequence:
     num_preemptions: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1.., as computed
     grammar: object | None = None  # its structured-output matcher (afdserve.engine.structured_output)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    num_cached_tokens: int | None = None  # prefix tokens not recomputed, set when first scheduled
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from afdserve.balance.load import LoadSnapshot
+from afdserve.kvcache.prefix import PrefixCacheStats
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -25,6 +26,7 @@ class EngineStats:
     workers: dict[str, str] = field(default_factory=dict)  # worker -> "up" | "down" | "restarting" (colocated: none)
     restarts: dict[str, int] = field(default_factory=dict)  # worker -> restarts so far
     last_failure: dict[str, str] = field(default_factory=dict)  # worker -> why it last failed
+    prefix_cache: dict[str, PrefixCacheStats] = field(default_factory=dict)  # worker -> its prefix cache (refreshed)
 
 
 def cpu_seconds(pid: int) -> float | None:

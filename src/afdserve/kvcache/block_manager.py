@@ -1,28 +1,72 @@
-"""Allocation of KV-cache blocks to sequences."""
+"""Allocation of KV-cache blocks to sequences, with automatic prefix caching.
+
+Each sequence owns a block table. With prefix caching (a ``PrefixCacheConfig``), a full block whose
+keys and values are computed is registered under its hash-chain key (``afdserve.kvcache.prefix``);
+a later sequence whose tokens start with the same blocks takes them by reference instead of
+recomputing them. A block nobody references stays cached in the free pool, least recently released
+first out: a new allocation takes uncached free blocks first, then evicts the least recently used
+cached one (spilling it to the host/disk tiers, ``afdserve.kvcache.tiers``, when there are any).
+As in nano-vllm's and vLLM's block managers, keys are chained so a block matches only after the
+whole prefix before it matched, and only full blocks are shared (a shared block is never written).
+
+A sequence whose oldest tokens no layer attends to any more (sliding windows) gives their blocks
+back early (``release_before``): its table then holds the live blocks only (after
+``num_released`` given back), and the slots of the released positions read as -1.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
+from afdserve.kvcache.cache import KVCache
+from afdserve.kvcache.prefix import PrefixCacheConfig, PrefixCacheStats
+from afdserve.kvcache.tiers import DISK, HOST, Tiers
+
+
+@dataclass
+class PrefixHit:
+    """The cached blocks a sequence can start with: device blocks, then blocks worth restoring from
+    host memory or disk (in chain order)."""
+
+    device: list[int] = field(default_factory=list)
+    lower: list[tuple[bytes, str]] = field(default_factory=list)  # (key, tier)
+    unreferenced: int = 0  # device blocks in the free pool (taking them uses free blocks)
+    recompute: int = 0  # lower-tier blocks after these, not worth restoring
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.lower)
+
 
 class BlockManager:
-    """A free list of fixed-size blocks; each sequence owns a block table.
-
-    A sequence whose oldest tokens no layer attends to any more (sliding windows) gives their
-    blocks back early (``release_before``): its table then holds the live blocks only (after
-    ``num_released`` given back), and the slots of the released positions read as -1.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix: PrefixCacheConfig | None = None,
+                 kv: KVCache | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # next taken first
+        self.refs = [0] * num_blocks
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # key -> device block
         self.tables: dict[int, list[int]] = {}
         self._slots: dict[int, torch.Tensor] = {}  # per sequence: slots of its positions so far
+        self._committed: dict[int, int] = {}  # per sequence: blocks of its table already registered
         self._released: dict[int, int] = {}  # per sequence: leading blocks given back early
+        self.prefix, self.kv = prefix, kv
+        self.salt = prefix.salt if prefix is not None else None
+        self.tiers: Tiers | None = None
+        if prefix is not None and kv is not None and (prefix.host_bytes > 0 or (prefix.disk_dir and prefix.disk_bytes > 0)):
+            self.tiers = Tiers(prefix, kv.block_shapes, kv.dtype, block_size)
+        self._counts = dict.fromkeys(("query_requests", "hit_requests", "query_tokens", "hit_tokens",
+                                      "device_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "device_evictions"), 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefix is not None
 
     @property
     def num_free(self) -> int:
@@ -45,25 +89,24 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"KV cache: need {need} blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
-        new = [self._free.popleft() for _ in range(need)]
+        new = [self._take() for _ in range(need)]
         table.extend(new)
-        if new:  # slots of the new blocks, appended to the sequence's slot list
-            add = (torch.tensor(new, dtype=torch.int64)[:, None] * self.block_size
-                   + torch.arange(self.block_size)).reshape(-1)
-            have = self._slots.get(seq_id)
-            self._slots[seq_id] = add if have is None else torch.cat([have, add])
+        self._add_slots(seq_id, new)
 
     def free(self, seq_id: int) -> None:
-        self._free.extend(self.tables.pop(seq_id, ()))
+        """Releases a sequence's blocks; its cached blocks stay cached until evicted."""
         self._slots.pop(seq_id, None)
+        self._committed.pop(seq_id, None)
         self._released.pop(seq_id, None)
+        self._unref(reversed(self.tables.pop(seq_id, ())))  # its last blocks are evicted first
 
     def num_released(self, seq_id: int) -> int:
         return self._released.get(seq_id, 0)
 
     def release_before(self, seq_id: int, position: int) -> int:
         """Gives back the blocks of ``seq_id`` whose tokens all lie before ``position`` (no layer
-        will read them again); their slots become -1. Returns how many blocks were freed."""
+        will read them again; a cached one stays cached); their slots become -1. Returns how many
+        blocks were given back."""
         table = self.tables.get(seq_id)
         if not table:
             return 0
@@ -71,11 +114,19 @@ class BlockManager:
         n = min(max(0, position // self.block_size - done), len(table))
         if n == 0:
             return 0
-        self._free.extend(table[:n])
+        self._unref(table[:n])
         del table[:n]
         self._released[seq_id] = done + n
         self._slots[seq_id][done * self.block_size : (done + n) * self.block_size] = -1
         return n
+
+    def _unref(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self._free[b] = None
+                if self.key_of[b] is None:
+                    self._free.move_to_end(b, last=False)  # uncached blocks are taken before cached ones
 
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Cache slots of token positions [0, num_tokens) of a sequence (a view: the slots of a
@@ -84,3 +135,148 @@ class BlockManager:
         if num_tokens > have.shape[0]:
             raise ValueError(f"sequence {seq_id} holds {have.shape[0]} slots, {num_tokens} asked for")
         return have[:num_tokens]
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def lookup(self, keys: list[bytes], max_blocks: int) -> PrefixHit:
+        """The longest cached prefix of ``keys[:max_blocks]`` (no side effects)."""
+        hit = PrefixHit()
+        if self.prefix is None:
+            return hit
+        keys = keys[:max(0, max_blocks)]
+        for key in keys:
+            b = self.cached.get(key)
+            if b is None:
+                break
+            hit.device.append(b)
+            hit.unreferenced += self.refs[b] == 0
+        if self.tiers is None:
+            return hit
+        block_bytes = self.kv.block_bytes if self.kv is not None else 0
+        for key in keys[len(hit.device):]:
+            tier = self.tiers.where(key)
+            if tier is None:
+                break
+            if hit.recompute or not self.tiers.worth_restoring(tier, block_bytes):
+                hit.recompute += 1
+            else:
+                hit.lower.append((key, tier))
+        return hit
+
+    def can_admit(self, hit: PrefixHit, num_tokens: int) -> bool:
+        """Whether a new sequence starting with ``hit`` fits ``num_tokens`` tokens now."""
+        need = -(-num_tokens // self.block_size) - len(hit.device) + hit.unreferenced
+        return need <= len(self._free)
+
+    def acquire(self, seq_id: int, hit: PrefixHit, num_tokens: int) -> int:
+        """Gives a new sequence of ``num_tokens`` tokens the blocks of ``hit`` (restoring lower-tier
+        ones into new device blocks); returns the number of its tokens already computed."""
+        if self.tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        table = self.tables.setdefault(seq_id, [])
+        for b in hit.device:
+            if self.refs[b] == 0:
+                del self._free[b]
+            self.refs[b] += 1
+            table.append(b)
+        restored = {HOST: 0, DISK: 0}
+        for key, _ in hit.lower:
+            tier = self.tiers.where(key) if self.tiers is not None else None
+            if tier is None or key in self.cached:
+                break
+            b = self._take()
+            if not self.tiers.restore(key, tier, lambda parts, b=b: self.kv.write_block(b, parts)):
+                self.refs[b] = 0
+                self._free[b] = None
+                self._free.move_to_end(b, last=False)
+                break
+            self.cached[key], self.key_of[b] = b, key
+            table.append(b)
+            restored[tier] += 1
+        if self.tiers is not None:
+            self.tiers.recomputed += hit.recompute + len(hit.lower) - sum(restored.values())
+        self._add_slots(seq_id, table)
+        self._committed[seq_id] = len(table)
+        bs, c = self.block_size, self._counts
+        if self.prefix is not None:
+            c["query_requests"] += 1
+            c["hit_requests"] += bool(table)
+            c["query_tokens"] += num_tokens
+            c["hit_tokens"] += len(table) * bs
+            c["device_hit_tokens"] += len(hit.device) * bs
+            c["host_hit_tokens"] += restored[HOST] * bs
+            c["disk_hit_tokens"] += restored[DISK] * bs
+        return len(table) * bs
+
+    def commit(self, seq_id: int, keys: list[bytes], num_computed: int) -> None:
+        """Registers the sequence's blocks that are full and computed (``keys``: its chain keys)."""
+        if self.prefix is None:
+            return
+        table = self.tables.get(seq_id, [])
+        off = self._released.get(seq_id, 0)  # table[j - off] is the sequence's block j
+        start = max(self._committed.get(seq_id, 0), off)
+        full = min(num_computed // self.block_size, len(keys), off + len(table))
+        for j in range(start, full):
+            b, key = table[j - off], keys[j]
+            if self.key_of[b] is None and key not in self.cached:  # else an equal block is cached already
+                self.cached[key], self.key_of[b] = b, key
+        self._committed[seq_id] = max(start, full)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that computed ``tokens`` prompt tokens took ``seconds`` (the recompute rate)."""
+        if self.tiers is not None:
+            self.tiers.prefill.observe(tokens, seconds)
+
+    def persist(self) -> None:
+        """Writes every cached block (device and host) to the disk tier, so it survives a restart."""
+        t = self.tiers
+        if t is None or t.disk is None or self.kv is None:
+            return
+        # least recently used first: host blocks, unreferenced device blocks, referenced ones; only
+        # the most recent that fit the bound are written
+        items = [(key, lambda kv=kv: kv) for key, kv in (t.host.blocks.items() if t.host is not None else ())]
+        free = [b for b in self._free if self.key_of[b] is not None]
+        used = [b for b in self.cached.values() if self.refs[b] > 0]
+        items += [(self.key_of[b], lambda b=b: self.kv.read_block(b)) for b in free + used]
+        fit = t.disk.limit // max(1, self.kv.block_bytes)
+        for key, read in items[max(0, len(items) - fit):]:
+            t.persist(key, read)
+
+    def stats(self) -> PrefixCacheStats:
+        t = self.tiers
+        host = t.host if t is not None else None
+        disk = t.disk if t is not None else None
+        return PrefixCacheStats(
+            enabled=self.prefix is not None, **self._counts,
+            restored_blocks=t.restored if t else 0, recomputed_blocks=t.recomputed if t else 0,
+            invalid_disk_files=disk.invalid if disk else 0,
+            host_evictions=host.evictions if host else 0, disk_evictions=disk.evictions if disk else 0,
+            device_cached_blocks=len(self.cached), device_used_blocks=self.num_blocks - len(self._free),
+            device_total_blocks=self.num_blocks, host_bytes=host.bytes if host else 0,
+            host_bytes_limit=host.limit if host else 0, disk_bytes=disk.bytes if disk else 0,
+            disk_bytes_limit=disk.limit if disk else 0,
+            host_restore_bytes_per_s=t.rates[HOST].value if t else 0.0,
+            disk_restore_bytes_per_s=t.rates[DISK].value if t else 0.0,
+            prefill_tokens_per_s=t.prefill.value if t else 0.0)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _take(self) -> int:
+        b, _ = self._free.popitem(last=False)
+        key = self.key_of[b]
+        if key is not None:  # evict: the least recently released cached block
+            del self.cached[key]
+            self.key_of[b] = None
+            self._counts["device_evictions"] += 1
+            if self.tiers is not None and self.kv is not None:
+                self.tiers.spill(key, lambda: self.kv.read_block(b))
+        self.refs[b] = 1
+        return b
+
+    def _add_slots(self, seq_id: int, new: list[int]) -> None:
+        if new:  # slots of the new blocks, appended to the sequence's slot list
+            add = (torch.tensor(new, dtype=torch.int64)[:, None] * self.block_size
+                   + torch.arange(self.block_size)).reshape(-1)
+            have = self._slots.get(seq_id)
+            self._slots[seq_id] = add if have is None else torch.cat([have, add])
+        elif seq_id not in self._slots:
+            self._slots[seq_id] = torch.empty(0, dtype=torch.int64)
+

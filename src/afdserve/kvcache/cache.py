@@ -56,6 +56,29 @@ class KVCache:
         """Bytes the allocated tensors hold for one token of one layer."""
         return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors()[0].dtype
+
+    def read_block(self, block: int) -> tuple[torch.Tensor, ...]:
+        """Views of one block of every allocated tensor (keys and values, or the latent), each
+        ``[num_layers, block_size, ...]``: what the prefix cache's lower tiers keep of a block."""
+        s = slice(block * self.block_size, (block + 1) * self.block_size)
+        return tuple(t[:, s] for t in self.tensors())
+
+    def write_block(self, block: int, parts: tuple[torch.Tensor, ...]) -> None:
+        for dst, src in zip(self.read_block(block), parts, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    @property
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p.shape) for p in self.read_block(0))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (all layers)."""
+        return sum(p.numel() * p.element_size() for p in self.read_block(0))
+
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                         dtype: torch.dtype, latent_dim: int = 0) -> int:

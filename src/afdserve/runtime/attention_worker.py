@@ -12,6 +12,7 @@ from afdserve.balance.load import LoadTracker
 from afdserve.engine.builder import build_engine, load_attention_side
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.structured_output import XGrammars
+from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
@@ -54,6 +55,7 @@ class AttentionWorker:
                 while True:
                     msg = ctl.recv()
                     if isinstance(msg, Shutdown):
+                        eng.close()  # the prefix cache's disk tier keeps its blocks for the next start
                         return
                     self._control(msg, ctl)
                     if not ctl.poll(0):
@@ -89,7 +91,7 @@ class AttentionWorker:
         elif isinstance(msg, GetStats):
             tracker = self.runner.tracker
             ctl.send(StatsReply(name, self._stats(tracker.snapshot().to_json() if tracker is not None else None,
-                                                  self.links.transports())))
+                                                  self.links.transports(), self.engine.prefix_stats())))
         elif isinstance(msg, SetMicroBatches):  # between steps, like SwitchMap
             self.runner.m = msg.m
             ctl.send(Ack(name, msg.m))
@@ -102,11 +104,12 @@ class AttentionWorker:
         else:
             raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
 
-    def _stats(self, load: str | None = None, transports: dict[str, str] | None = None) -> AttentionStats:
+    def _stats(self, load: str | None = None, transports: dict[str, str] | None = None,
+               prefix: PrefixCacheStats | None = None) -> AttentionStats:
         eng = self.engine
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, self.runner.tokens_per_worker.tolist(),
-                              load, transports or {})
+                              load, transports or {}, prefix)
 
     def close(self) -> None:
         self.links.close()

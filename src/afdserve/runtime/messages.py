@@ -5,8 +5,8 @@ Front end -> worker: ``WorkerSpec`` (once, at start), ``AddRequest``, ``AbortReq
 ``GetTrace``, ``SetMicroBatches``, the three phases of re-placing experts (``PrepareMap`` on expert
 workers, ``SwitchMap`` on attention workers, ``CommitMap`` on expert workers), ``Regroup`` (a worker
 was replaced: new M2N links), ``Shutdown``.
-Worker -> front end: ``Ready`` (health: the worker serves), ``StepOutputs`` (new token ids and finish
-events of one engine step, with the worker's stats), ``StatsReply``, ``TraceReply``, ``Ack`` (a
+Worker -> front end: ``Ready`` (health: the worker serves), ``StepOutputs`` (new token ids, finish
+events and the progress of chunked prefills of one engine step, with the worker's stats), ``StatsReply``, ``TraceReply``, ``Ack`` (a
 control call took effect), ``PeerLost`` (a peer died or stalled: waiting for a ``Regroup``),
 ``Crashed``.
 Token payloads between workers travel over the M2N library, not here.
@@ -22,6 +22,7 @@ from afdserve.config import EngineConfig
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.errors import WorkerError
+from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.runtime.expert_map import ExpertMap
 
 
@@ -127,6 +128,7 @@ class AttentionStats:
     tokens_per_expert_worker: list[int]
     load: str | None = None  # LoadSnapshot JSON (on GetStats, when this worker routes)
     transports: dict[str, str] = field(default_factory=dict)  # peer -> M2N transport (on GetStats)
+    prefix: PrefixCacheStats | None = None  # its prefix cache's counters and tiers (on GetStats)
 
 
 @dataclass(frozen=True)

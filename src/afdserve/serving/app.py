@@ -23,6 +23,8 @@ from afdserve.serving.chat import ChatTemplate
 from afdserve.serving.edge import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from afdserve.serving.errors import ApiError, install_error_handlers
 from afdserve.serving.generation import OpenAIServing
+from afdserve.serving.jobs import JobOptions, JobStore
+from afdserve.serving.jobs_api import jobs_router
 from afdserve.serving.metrics import ServingMetrics
 from afdserve.serving.openapi import limit_schema
 from afdserve.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -31,7 +33,7 @@ from afdserve.serving.tokenization import (DetokenizeRequest, DetokenizeResponse
                                            TokenizeRequest, TokenizeResponse, VersionResponse)
 from afdserve.serving.tools import ToolConfig
 
-API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+API_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/jobs")
 HEALTH_TIMEOUT_S = 10.0  # /health fails when the engine loop has not turned for this long
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -74,16 +76,17 @@ class _StatusMetrics:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            path = scope["path"]
+            path = "/v1/jobs" if scope["path"].startswith("/v1/jobs/") else scope["path"]
             self.metrics.request(path if path in API_PATHS else "other", status)
 
 
 def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate | None = None,
                tool_config: ToolConfig = ToolConfig(), *, admin_token: str | None = None,
                num_experts: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               health_timeout_s: float = HEALTH_TIMEOUT_S) -> FastAPI:
+               health_timeout_s: float = HEALTH_TIMEOUT_S, jobs: JobOptions = JobOptions()) -> FastAPI:
     """The public API. The admin endpoints are on it only with ``admin_token`` (then behind
-    ``Authorization: Bearer``); ``admin.create_admin_app`` serves them on a listener of their own."""
+    ``Authorization: Bearer``); ``admin.create_admin_app`` serves them on a listener of their own.
+    ``app.state.jobs`` is the ``JobStore`` (its ``clock`` may be replaced, e.g. in tests)."""
     metrics = ServingMetrics(engine.stats, lambda: engine.in_flight, lambda: engine.heartbeat_age)
     engine.observer = metrics
     if chat_template is None:
@@ -92,6 +95,7 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
                                      tok.eos_token if tok else None)
     serving = OpenAIServing(engine, model_name, chat_template, tool_config)
     tokenization = OpenAIServingTokenization(engine, model_name, chat_template)
+    job_store = JobStore(jobs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -103,7 +107,7 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
 
     app = FastAPI(title="afdserve", version=version("afdserve"),
                   description="OpenAI-compatible API of an afdserve MoE deployment", lifespan=lifespan)
-    app.state.metrics, app.state.engine = metrics, engine
+    app.state.metrics, app.state.engine, app.state.jobs = metrics, engine, job_store
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(_StatusMetrics, metrics=metrics)
@@ -169,6 +173,8 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS | _STREAM)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
+
+    app.include_router(jobs_router(serving, job_store))
 
     if admin_token:
         app.include_router(admin_router(engine, num_experts, admin_token))

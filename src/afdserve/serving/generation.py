@@ -15,7 +15,8 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, NamedTuple
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,11 +30,24 @@ from afdserve.serving.chat import ChatTemplate, template_messages
 from afdserve.serving.errors import ApiError
 from afdserve.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from afdserve.serving.logprobs import chat_logprobs, completion_logprobs
+from afdserve.serving.progress import Progress, ProgressMeter
 from afdserve.serving.sampling import sampling_params
 from afdserve.serving.tokenization import encode
 from afdserve.serving.tools import ToolConfig, ToolPlan, plan_tools
 
 RETRY_AFTER_S = 1
+
+
+@dataclass
+class Prepared:
+    """A validated completions or chat request, ready to submit: its prompts and sampling params,
+    and how to answer it (``body``: the non-streaming JSON; ``chunks``: the SSE stream)."""
+
+    kind: str  # "cmpl" | "chatcmpl" (the response id's prefix)
+    prompts: list[Prompt]
+    params: SamplingParams
+    body: Callable[[str, list[RequestOutput]], dict[str, Any]]
+    chunks: Callable[[GenerationStream], AsyncIterator[str]]
 
 
 class OpenAIServing:
@@ -49,6 +63,25 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        return await self._respond(await self.prepare_completion(req), bool(req.stream), raw)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        return await self._respond(await self.prepare_chat(req), bool(req.stream), raw)
+
+    def submit(self, prep: Prepared) -> GenerationStream:
+        """Queues a prepared request (429 when the server is full, 503 when it cannot serve)."""
+        return self._submit(prep.kind, prep.prompts, prep.params)
+
+    async def _respond(self, prep: Prepared, streaming: bool, raw: Request) -> Response:
+        stream = self.submit(prep)
+        if streaming:
+            return _sse(stream, prep.chunks(stream))
+        outs = await _final(stream, raw)
+        if outs is None:
+            return Response(status_code=499)
+        return JSONResponse(prep.body(stream.request_id, outs))
+
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._check_common(req)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
@@ -59,14 +92,18 @@ class OpenAIServing:
         params = await self._checked(sampling_params(req, max_tokens, logprobs=k,
                                                      prompt_logprobs=k if req.echo and k is not None else None))
         prefixes = [self._prompt_text(p) if req.echo else "" for p in prompts]
-        stream = self._submit("cmpl", prompts, params)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(stream, self._completion_chunks(stream, prompts, params, prefixes, include_usage,
-                                                        bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)))
-        outs = await _final(stream, raw)
-        if outs is None:
-            return Response(status_code=499)
+        opts = _StreamOpts.of(req)
+
+        def chunks(stream: GenerationStream) -> AsyncIterator[str]:
+            return self._completion_chunks(stream, prompts, params, prefixes, opts, bool(req.return_token_ids),
+                                           bool(req.return_tokens_as_token_ids))
+
+        return Prepared("cmpl", prompts, params, lambda rid, outs: self._completion_body(req, rid, prompts, params,
+                                                                                         prefixes, outs), chunks)
+
+    def _completion_body(self, req: CompletionRequest, rid: str, prompts: list[Prompt], params: SamplingParams,
+                         prefixes: list[str], outs: list[RequestOutput]) -> dict[str, Any]:
+        k = req.logprobs
         choices = []
         for i, o in enumerate(outs):
             for c in o.outputs:
@@ -81,11 +118,11 @@ class OpenAIServing:
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
-        return JSONResponse({"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": _usage(prompts, outs)})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(prompts, outs)}
 
     # ---- /v1/chat/completions ------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
@@ -96,14 +133,19 @@ class OpenAIServing:
         max_tokens = self.engine.max_model_len - len(prompt.token_ids) if limit is None else limit
         self._check_context([prompt], max_tokens, "messages")
         params = await self._checked(tools.constrain(sampling_params(req, max_tokens, logprobs=k)))
-        stream = self._submit("chatcmpl", [prompt], params)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(stream, self._chat_chunks(stream, prompt, params, include_usage, bool(req.return_token_ids),
-                                                  tools, bool(req.return_tokens_as_token_ids)))
-        outs = await _final(stream, raw)
-        if outs is None:
-            return Response(status_code=499)
+        opts = _StreamOpts.of(req)
+
+        def chunks(stream: GenerationStream) -> AsyncIterator[str]:
+            return self._chat_chunks(stream, prompt, params, opts, bool(req.return_token_ids), tools,
+                                     bool(req.return_tokens_as_token_ids))
+
+        def body(rid: str, outs: list[RequestOutput]) -> dict[str, Any]:
+            return self._chat_body(req, rid, prompt, k, tools, outs)
+
+        return Prepared("chatcmpl", [prompt], params, body, chunks)
+
+    def _chat_body(self, req: ChatCompletionRequest, rid: str, prompt: Prompt, k: int | None, tools: ToolPlan,
+                   outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for o in outs[0].outputs:
             choice: dict[str, Any] = {"index": o.index, "message": {"role": "assistant", "content": o.text},
@@ -114,8 +156,8 @@ class OpenAIServing:
                 choice["token_ids"] = o.token_ids
             tools.apply(choice, o.text)
             choices.append(choice)
-        return JSONResponse({"id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": _usage([prompt], outs)})
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage([prompt], outs)}
 
     # ---- request -> engine ---------------------------------------------------------------
     def _check_common(self, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -204,11 +246,11 @@ class OpenAIServing:
 
     # ---- streams ---------------------------------------------------------------------------
     async def _completion_chunks(self, stream: GenerationStream, prompts: list[Prompt], params: SamplingParams,
-                                 prefixes: list[str], include_usage: bool, token_ids: bool,
+                                 prefixes: list[str], opts: "_StreamOpts", token_ids: bool,
                                  as_ids: bool = False) -> AsyncIterator[str]:
         base = {"id": stream.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
-        usage_field = {"usage": None} if include_usage else {}
+        usage_field = {"usage": None} if opts.usage else {}
         offsets: dict[int, int] = {}  # choice -> characters sent (for the logprobs' text offsets)
 
         def chunk(i: int, text: str, finish: str | None, ids: list[int] | None, logprobs: Any = None) -> str:
@@ -222,24 +264,27 @@ class OpenAIServing:
             for j in range(params.n):
                 if prefix:
                     yield chunk(i * params.n + j, prefix, None, [] if token_ids else None)
-        async for d in _deltas(stream, params, token_ids):
+        async for d in _deltas(stream, params, token_ids, prompts if opts.progress else None):
             if isinstance(d, str):
                 yield d
                 return
+            if isinstance(d, Progress):
+                yield _event(base | {"choices": [], "progress": d.to_json()} | usage_field)
+                continue
             lps = None
             if params.logprobs is not None and d.positions:
                 lps = completion_logprobs(d.new_ids, d.positions, params.logprobs, offsets.get(d.index, 0), as_ids)
             yield chunk(d.index, d.text, d.finish, d.new_ids if token_ids else None, lps)
-        if include_usage:
+        if opts.usage:
             yield _event(base | {"choices": [], "usage": _usage(prompts, stream.latest)})
         yield "data: [DONE]\n\n"
 
     async def _chat_chunks(self, stream: GenerationStream, prompt: Prompt, params: SamplingParams,
-                           include_usage: bool, token_ids: bool, tools: ToolPlan | None = None,
+                           opts: "_StreamOpts", token_ids: bool, tools: ToolPlan | None = None,
                            as_ids: bool = False) -> AsyncIterator[str]:
         base = {"id": stream.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name}
-        usage_field = {"usage": None} if include_usage else {}
+        usage_field = {"usage": None} if opts.usage else {}
 
         def chunk(i: int, delta: dict, finish: str | None, ids: list[int] | None, logprobs: Any = None) -> str:
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -251,10 +296,13 @@ class OpenAIServing:
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
         readers = {i: tools.stream() for i in range(params.n)} if tools is not None else {}
         readers = {i: r for i, r in readers.items() if r is not None}
-        async for d in _deltas(stream, params, token_ids):
+        async for d in _deltas(stream, params, token_ids, [prompt] if opts.progress else None):
             if isinstance(d, str):
                 yield d
                 return
+            if isinstance(d, Progress):
+                yield _event(base | {"choices": [], "progress": d.to_json()} | usage_field)
+                continue
             ids = d.new_ids if token_ids else None
             lps = chat_logprobs(d.new_ids, d.positions, params.logprobs, as_ids) \
                 if params.logprobs is not None and d.positions else None
@@ -264,9 +312,19 @@ class OpenAIServing:
                     ids, lps = ([] if ids is not None else None), None
                 continue
             yield chunk(d.index, {"content": d.text} if d.text or not d.finish else {}, d.finish, ids, lps)
-        if include_usage:
+        if opts.usage:
             yield _event(base | {"choices": [], "usage": _usage([prompt], stream.latest)})
         yield "data: [DONE]\n\n"
+
+
+class _StreamOpts(NamedTuple):
+    usage: bool
+    progress: bool
+
+    @staticmethod
+    def of(req: CompletionRequest | ChatCompletionRequest) -> "_StreamOpts":
+        o = req.stream_options
+        return _StreamOpts(bool(o and o.include_usage), bool(o and o.include_progress))
 
 
 class Delta(NamedTuple):
@@ -277,16 +335,23 @@ class Delta(NamedTuple):
     positions: list[PositionLogprobs] | None  # the new tokens' log-probabilities, when asked for
 
 
-async def _deltas(stream: GenerationStream, params: SamplingParams, token_ids: bool) -> AsyncIterator[Delta | str]:
+async def _deltas(stream: GenerationStream, params: SamplingParams, token_ids: bool,
+                  progress_of: list[Prompt] | None = None) -> AsyncIterator[Delta | Progress | str]:
     """What each choice gained as outputs arrive (new tokens alone count when their ids or
-    log-probabilities are sent); on a failure, one error event followed by ``[DONE]`` (as a string)
-    ends it."""
+    log-probabilities are sent), and with ``progress_of`` (the prompts) the prefill's progress
+    whenever it moved; on a failure, one error event followed by ``[DONE]`` (as a string) ends it."""
+    meter = ProgressMeter([len(p.token_ids) for p in progress_of]) if progress_of is not None else None
     stop = params.stop or []
     holdback = max((len(s) for s in stop), default=1) - 1
     sent_chars: dict[int, int] = {}
     sent_ids: dict[int, int] = {}
     done: set[int] = set()
     async for changed in stream:
+        if meter is not None and not any(o.error for _, o in changed):
+            before = meter.last
+            p = meter.update(stream.latest, time.monotonic())
+            if p is not before:
+                yield p
         for i, out in changed:
             if out.error:
                 yield _event(_failure(stream, out.error).body().model_dump()) + "data: [DONE]\n\n"
@@ -351,10 +416,12 @@ async def _disconnected(raw: Request) -> None:
             return
 
 
-def _usage(prompts: list[Prompt], outs: list[RequestOutput | None]) -> dict[str, int]:
+def _usage(prompts: list[Prompt], outs: list[RequestOutput | None]) -> dict[str, Any]:
     p = sum(len(x.token_ids) for x in prompts)
     c = sum(len(comp.token_ids) for o in outs if o is not None for comp in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum(o.num_cached_tokens or 0 for o in outs if o is not None)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _event(obj: dict) -> str:

@@ -40,6 +40,7 @@ class _Snapshot(Collector):
             yield GaugeMetricFamily("afdserve_engine_heartbeat_age_seconds", "Seconds since the engine loop last "
                                     "turned (+Inf once it stopped)", value=age)
         yield from _workers(s)
+        yield from _prefix_cache(s)
         yield GaugeMetricFamily("afdserve_num_requests_running", "Requests in the running batch", value=s.running)
         yield GaugeMetricFamily("afdserve_num_requests_waiting", "Requests waiting to be scheduled", value=s.waiting)
         yield GaugeMetricFamily("afdserve_num_requests_in_flight", "Requests (prompts) accepted and not finished",
@@ -89,6 +90,50 @@ def _workers(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily
     for w, cause in sorted(s.last_failure.items()):
         failure.add_metric([w, cause if len(cause) <= 200 else cause[:197] + "..."], 1.0)
     yield from (up, state, restarts, failure)
+
+
+def _prefix_cache(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Each worker's prefix cache (colocated: the engine; a cluster: each attention worker), as of
+    the last stats refresh: hits, tokens served from each tier, restores versus recomputes, evictions, use."""
+    caches = sorted((w, c) for w, c in s.prefix_cache.items() if c.enabled)
+    rate = GaugeMetricFamily("afdserve_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt "
+                             "tokens looked up, since start", labels=["worker"])
+    queries = CounterMetricFamily("afdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  labels=["worker"])
+    hits = CounterMetricFamily("afdserve_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                               labels=["worker"])
+    requests = CounterMetricFamily("afdserve_prefix_cache_requests", "Admissions that looked the prefix cache up "
+                                   "(hit: with at least one cached block)", labels=["worker", "result"])
+    tiers = CounterMetricFamily("afdserve_prefix_cache_tier_hit_tokens", "Prompt tokens served from each tier "
+                                "(device: in the KV cache; host, disk: restored)", labels=["worker", "tier"])
+    blocks = CounterMetricFamily("afdserve_prefix_cache_host_disk_blocks", "Blocks found in host memory or on disk: "
+                                 "restored, or recomputed because that was cheaper", labels=["worker", "action"])
+    evict = CounterMetricFamily("afdserve_prefix_cache_evictions", "Blocks evicted from each tier",
+                                labels=["worker", "tier"])
+    invalid = CounterMetricFamily("afdserve_prefix_cache_invalid_disk_files", "Disk-tier files ignored (truncated, "
+                                  "corrupt, or of another model or dtype)", labels=["worker"])
+    used = GaugeMetricFamily("afdserve_prefix_cache_usage", "Use of each tier (device: cached blocks; host, disk: "
+                             "bytes)", labels=["worker", "tier"])
+    limit = GaugeMetricFamily("afdserve_prefix_cache_limit", "Bound of each tier (device: blocks; host, disk: "
+                              "bytes)", labels=["worker", "tier"])
+    for w, c in caches:
+        rate.add_metric([w], c.hit_rate)
+        queries.add_metric([w], c.query_tokens)
+        hits.add_metric([w], c.hit_tokens)
+        requests.add_metric([w, "hit"], c.hit_requests)
+        requests.add_metric([w, "miss"], c.query_requests - c.hit_requests)
+        for tier, n in (("device", c.device_hit_tokens), ("host", c.host_hit_tokens), ("disk", c.disk_hit_tokens)):
+            tiers.add_metric([w, tier], n)
+        blocks.add_metric([w, "restored"], c.restored_blocks)
+        blocks.add_metric([w, "recomputed"], c.recomputed_blocks)
+        for tier, n in (("device", c.device_evictions), ("host", c.host_evictions), ("disk", c.disk_evictions)):
+            evict.add_metric([w, tier], n)
+        invalid.add_metric([w], c.invalid_disk_files)
+        for tier, u, bound in (("device", c.device_cached_blocks, c.device_total_blocks),
+                               ("host", c.host_bytes, c.host_bytes_limit), ("disk", c.disk_bytes, c.disk_bytes_limit)):
+            used.add_metric([w, tier], u)
+            limit.add_metric([w, tier], bound)
+    yield from (rate, queries, hits, requests, tiers, blocks, evict, invalid, used, limit)
 
 
 class ServingMetrics:

@@ -1,5 +1,6 @@
 """The server's OpenAPI schema: FastAPI's, plus the limits of this deployment that validation checks
-(the served model's name, the vocabulary, the most prompts in one request, the number of experts),
+(the served model's name, the vocabulary, the most prompts in one request, the number of experts,
+a job's body not streamed),
 so that the schema accepts exactly what the server does."""
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def limit_schema(schema: dict[str, Any], model_name: str, vocab_size: int, max_p
     for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         _branch(schemas[name]["properties"]["model"], "string")["enum"] = [model_name]
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = top
+    job = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    job["properties"] = {"stream": {"enum": [False, None]}}  # a job is not streamed (it has /events)
     limit_admin_schema(schema, num_experts)
 
 

@@ -61,6 +61,8 @@ _STREAM_OPTIONS = _needs("stream", True, unless="stream_options")  # checked in 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_progress: bool = Field(False, description="send the prefill's progress as chunks with no choices and "
+                                   "a `progress` object, while the prompt is computed")
 
 
 class JsonSchemaFormat(_Strict):
@@ -226,10 +228,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 # ---- responses -------------------------------------------------------------------------------
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -34,6 +34,7 @@ from afdserve.serving.app import HEALTH_TIMEOUT_S, create_app
 from afdserve.serving.async_engine import AsyncEngine
 from afdserve.serving.chat import ChatTemplate
 from afdserve.serving.edge import DEFAULT_MAX_BODY_BYTES
+from afdserve.serving.jobs import JobOptions
 from afdserve.serving.tools import ToolConfig
 
 ADMIN_HOST = "127.0.0.1"
@@ -56,6 +57,12 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     shutdown_grace_s: float = 5.0  # on shutdown, requests in flight get this long before they are ended
     health_timeout_s: float = HEALTH_TIMEOUT_S  # /health fails when the engine loop is stuck this long
+    job_ttl_s: float = JobOptions.ttl_s  # a finished job's result is kept this long (POST /v1/jobs)
+    max_jobs: int = JobOptions.max_jobs  # jobs kept at once; more get 429
+
+    @property
+    def jobs(self) -> JobOptions:
+        return JobOptions(self.job_ttl_s, self.max_jobs)
 
     @property
     def tools(self) -> ToolConfig:
@@ -86,7 +93,7 @@ def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastA
     separate = opts.admin_port is not None  # the admin endpoints on their own listener, not on the public app
     app = create_app(async_engine, model_name(cfg, opts), chat, opts.tools, num_experts=experts,
                      admin_token=None if separate else opts.admin_token, max_body_bytes=opts.max_body_bytes,
-                     health_timeout_s=opts.health_timeout_s)
+                     health_timeout_s=opts.health_timeout_s, jobs=opts.jobs)
     app.state.admin_app = create_admin_app(async_engine, experts, opts.admin_token,
                                            opts.max_body_bytes) if separate else None
     return app
@@ -103,6 +110,7 @@ def check_options(opts: ServerOptions) -> None:
         raise ConfigError(f"invalid max_body_bytes={opts.max_body_bytes}: must be >= 1024")
     if opts.shutdown_grace_s < 0 or opts.health_timeout_s <= 0:
         raise ConfigError("invalid shutdown_grace_s / health_timeout_s: must be >= 0 / > 0")
+    opts.jobs.check()
 
 
 def _num_experts(cfg: EngineConfig) -> int | None:
