@@ -25,6 +25,7 @@ class EngineStats:
     workers: dict[str, str] = field(default_factory=dict)  # worker -> "up" | "down" | "restarting" (colocated: none)
     restarts: dict[str, int] = field(default_factory=dict)  # worker -> restarts so far
     last_failure: dict[str, str] = field(default_factory=dict)  # worker -> why it last failed
+    dropped_expert_assignments: int = 0  # (token, k) pairs dropped while an expert worker was missing (so far)
 
 
 def cpu_seconds(pid: int) -> float | None:
