@@ -2,10 +2,13 @@
 
 A server (2 attention + 3 expert workers by default, the demo model) runs in this process. First a
 fault-free pass records each prompt's greedy output and the throughput; then the same workload runs
-again while, every ``--fault-every`` seconds, a random worker is killed (SIGKILL) or stopped for 5 s
-(SIGSTOP, then SIGCONT). Each stream's token ids are compared with its fault-free output. Prints a table
-and writes JSON: failed requests, differing outputs, recovery time per fault (from the loss to every
-worker up again, as the front end measured it), throughput against the fault-free pass.
+again while, every ``--fault-every`` seconds, the next event of a fixed cycle happens: a random worker
+killed (SIGKILL), a random worker stopped for 5 s (SIGSTOP, then SIGCONT), an expert worker added,
+killed again, the expert worker removed, an attention worker added and removed (``POST /admin/scale``).
+Each stream's token ids are compared with its fault-free output. Prints a table and writes JSON: failed
+requests, differing outputs, recovery time per fault (from the loss being noticed to every worker up
+again, as the front end measured it; a stop is noticed after ``heartbeat_timeout_ms`` or the peers'
+deadline), time per resize, throughput against the fault-free pass.
 
     python benchmarks/chaos.py [--duration 120] [--streams 32] [--fault-every 20] [--json out/chaos.json]
 """
@@ -14,13 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
+import secrets
 import signal
 import statistics
 import threading
 import time
+
+import httpx
+
+# the events of the faulty pass, in this order, one every --fault-every seconds
+CYCLE = ["kill", "stop", "expert +1", "kill", "expert -1", "attention +1", "kill", "attention -1"]
 
 
 def workload(url: str, requests: list, streams: int, seconds: float | None) -> tuple[list, float]:
@@ -55,7 +65,8 @@ def main() -> None:
     # near-ties, so outputs would differ between batchings even without faults)
     cfg = EngineConfig(dtype=args.dtype, attention_workers=args.attention_workers, expert_workers=args.expert_workers,
                        micro_batches=2, max_num_seqs=args.streams)
-    app = build_app(cfg, ServerOptions(served_model_name="demo", log_level="error"))
+    token = secrets.token_hex(8)
+    app = build_app(cfg, ServerOptions(served_model_name="demo", log_level="error", admin_token=token))
     cluster = app.state.engine.engine
     rng = random.Random(args.seed)
     prompts = [" ".join(rng.choice(["the", "a", "model", "expert", "token", "layer", "fast", "cache"])
@@ -68,18 +79,28 @@ def main() -> None:
         stop = threading.Event()
 
         def chaos() -> None:
-            while not stop.wait(args.fault_every):
-                name = rng.choice(sorted(cluster.workers))
-                pid = cluster.workers[name].pid
-                kind = rng.choice(["kill", "kill", "stop"])
-                faults.append({"t": time.monotonic(), "worker": name, "fault": kind})
-                os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-                if kind == "stop":
-                    time.sleep(5)
-                    try:
-                        os.kill(pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+            for kind in itertools.cycle(CYCLE):
+                if stop.wait(args.fault_every):
+                    return
+                if kind in ("kill", "stop"):
+                    name = rng.choice(sorted(dict(cluster.workers)))
+                    pid = cluster.workers[name].pid
+                    faults.append({"t": time.monotonic(), "worker": name, "fault": kind})
+                    os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                    if kind == "stop":
+                        time.sleep(5)  # the fault: a 5 s stall
+                        try:
+                            os.kill(pid, signal.SIGCONT)
+                        except ProcessLookupError:
+                            pass
+                    continue
+                role, step = kind.split()
+                key = f"{role}_workers"
+                size = (len(cluster.attention) if role == "attention" else len(cluster.experts)) + int(step)
+                r = httpx.post(f"{url}/admin/scale", json={key: size}, timeout=600,
+                               headers={"Authorization": f"Bearer {token}"})
+                faults.append({"t": time.monotonic(), "worker": f"{role} pool -> {size}", "fault": "scale",
+                               "status": r.status_code, "seconds": r.json().get("seconds")})
 
         th = threading.Thread(target=chaos, daemon=True)
         th.start()
@@ -87,6 +108,7 @@ def main() -> None:
         stop.set()
         th.join()
         recovery = list(cluster.membership.recovery_seconds)
+        resizes = list(cluster.membership.resize_seconds)
         restarts = dict(cluster.membership.restarts)
     failed = [r.error for r in results if not r.ok]
     differ = sum(1 for r in results if r.ok and r.token_ids != want[r.index])
@@ -94,7 +116,10 @@ def main() -> None:
     row = {"requests": len(results), "failed": len(failed), "differing": differ,
            "differing_without_faults": base_differ, "faults": len(faults),
            "recoveries": len(recovery), "recovery_median_s": statistics.median(recovery) if recovery else None,
-           "recovery_max_s": max(recovery) if recovery else None, "throughput_tok_s": tps,
+           "recovery_max_s": max(recovery) if recovery else None, "resizes": len(resizes),
+           "resize_median_s": statistics.median(resizes) if resizes else None,
+           "scale_calls_failed": sum(1 for f in faults if f["fault"] == "scale" and f["status"] != 200),
+           "throughput_tok_s": tps,
            "fault_free_tok_s": base_tps, "throughput_ratio": tps / base_tps if base_tps else None}
     print(f"{'requests':>8} {'failed':>6} {'differ':>6} {'faults':>6} {'recov med s':>11} {'recov max s':>11} "
           f"{'tok/s':>8} {'fault-free':>10} {'ratio':>6}")
@@ -102,14 +127,16 @@ def main() -> None:
           f"{row['recovery_median_s'] or float('nan'):>11.2f} {row['recovery_max_s'] or float('nan'):>11.2f} "
           f"{tps:>8.1f} {base_tps:>10.1f} {row['throughput_ratio'] or float('nan'):>6.2f}")
     for f in faults:
-        print(f"  fault: {f['fault']:<4} {f['worker']}")
+        print(f"  fault: {f['fault']:<5} {f['worker']}" + (f" (HTTP {f['status']}, {f['seconds'] or 0:.1f} s)"
+                                                          if f["fault"] == "scale" else ""))
+    print(f"  resizes: {len(resizes)}, median {row['resize_median_s'] or float('nan'):.2f} s until every worker was up")
     print(f"  fault-free pass: {len(base)} requests, {base_differ} differing from the one-at-a-time outputs")
     if failed:
         print("  first failures:", failed[:3])
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"settings": vars(args), "summary": row, "faults": faults, "restarts": restarts,
-                   "recovery_s": recovery, "failures": failed[:20]}, fh, indent=1)
+                   "recovery_s": recovery, "resize_s": resizes, "failures": failed[:20]}, fh, indent=1)
     print(f"wrote {args.json}")
 
 

@@ -14,6 +14,7 @@ import pytest
 from afdserve import LLM, SamplingParams
 from afdserve.bench.soak import run_soak, scrape, stray_segments
 from afdserve.bench.workload import synthetic_requests
+from afdserve.cli.main import main as cli
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
@@ -155,6 +156,56 @@ def test_short_soak_64_streaming_clients(deployment):
     assert layer[0] == layer[1] > 0  # every token visits top-2 experts in every layer
     assert m["afdserve_expert_load_window_steps"] >= 1  # the workers' recent window (afdserve.balance)
     assert m["afdserve_micro_batch_tokens_count"] > 0
+
+
+def test_scale_mid_stream_fails_nothing_and_changes_no_output(deployment, capsys):
+    """`afdserve scale` adds an attention and an expert worker while 5 streams run; 5 more streams
+    start (on the new attention worker); then both are removed again, the removed attention worker's
+    streams move: every stream is the fault-free run's, text included. (After the soak: a membership
+    change interrupts steps, so the soak's per-layer token totals would no longer match.)"""
+    url, cluster = deployment
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, max_tokens=100, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = [(c.model_extra["token_ids"], c.text) for c in
+            (client.completions.create(prompt=p, **kw).choices[0] for p in PROMPTS)] * 2
+    got: dict[int, tuple[list[int], str]] = {}
+    counts = [0] * len(want)
+    cond = threading.Condition()
+
+    def one(i):
+        ids, text = [], ""
+        for ch in client.completions.create(prompt=PROMPTS[i % len(PROMPTS)], stream=True, **kw):
+            for c in ch.choices:
+                ids += c.model_extra.get("token_ids") or []
+                text += c.text
+            with cond:
+                counts[i] = len(ids)
+                cond.notify_all()
+        got[i] = (ids, text)
+
+    def start(wave):
+        threads = [threading.Thread(target=one, args=(i,)) for i in wave]
+        for t in threads:
+            t.start()
+        with cond:
+            assert cond.wait_for(lambda: min(counts[i] for i in wave) >= 10, timeout=120), counts
+        return threads
+
+    threads = start(range(len(PROMPTS)))
+    assert cli(["scale", "--base-url", url, "--admin-token", ADMIN_TOKEN, "--attention-workers", "2",
+                "--expert-workers", "3"]) == 0
+    assert "2 attention + 3 expert workers" in capsys.readouterr().out
+    threads += start(range(len(PROMPTS), 2 * len(PROMPTS)))
+    assert "attention1" in cluster.owner.values()  # streams to move
+    r = httpx.post(url + "/admin/scale", json={"attention_workers": 1, "expert_workers": 2}, headers=ADMIN,
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    assert (r.json()["attention_workers"], r.json()["expert_workers"]) == (1, 2)
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(len(want))] == want
+    assert sorted(cluster.workers) == ["attention0", "expert0", "expert1"] and cluster.membership.restarts == {}
+    assert httpx.get(url + "/ready").status_code == 200
 
 
 @pytest.mark.parametrize("victim", ["expert0", "attention0"])

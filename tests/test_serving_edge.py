@@ -93,6 +93,26 @@ def test_admin_needs_the_token_and_bounds_its_parameters(url):
     assert {"type": "integer", "minimum": 1, "maximum": 6} in slots["slots_per_worker"]["anyOf"]
 
 
+def test_scale_needs_the_token_and_bounds_its_parameters(url):
+    assert httpx.post(url + "/admin/scale", json={"expert_workers": 2}).status_code == 401
+    assert httpx.post(url + "/admin/scale", json={"expert_workers": 2},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 403
+    rss = _rss_mb()
+    for param, n in [("expert_workers", 7), ("expert_workers", 1_000_000), ("attention_workers", 65),
+                     ("attention_workers", 0), ("expert_workers", -1), ("expert_workers", "2"),
+                     ("attention_workers", 2.5)]:  # the model has 6 experts; at most 64 workers a pool
+        r = httpx.post(url + "/admin/scale", json={param: n}, headers=AUTH, timeout=10)
+        assert r.status_code == 400, (param, n, r.text)
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_value", param)
+    assert httpx.post(url + "/admin/scale", json={"workers": 2}, headers=AUTH).status_code == 400
+    assert _rss_mb() - rss < 30, "memory grew"
+    r = httpx.post(url + "/admin/scale", json={"expert_workers": 2}, headers=AUTH, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "scale_unsupported"  # colocated
+    props = httpx.get(url + "/openapi.json").json()["components"]["schemas"]["ScaleRequest"]["properties"]
+    assert {"type": "integer", "minimum": 1, "maximum": 6} in props["expert_workers"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 64} in props["attention_workers"]["anyOf"]
+
+
 def test_rebalance_cli_sends_the_token(url, capsys, monkeypatch):
     monkeypatch.delenv("AFDSERVE_ADMIN_TOKEN", raising=False)
     assert cli(["rebalance", "--base-url", url]) == 1
@@ -102,6 +122,11 @@ def test_rebalance_cli_sends_the_token(url, capsys, monkeypatch):
     monkeypatch.setenv("AFDSERVE_ADMIN_TOKEN", TOKEN)
     assert cli(["rebalance", "--base-url", url]) == 1
     assert "(409)" in capsys.readouterr().out
+    assert cli(["scale", "--base-url", url, "--expert-workers", "2", "--admin-token", "wrong"]) == 1
+    assert "(403)" in capsys.readouterr().out
+    assert cli(["scale", "--base-url", url, "--expert-workers", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "scale failed (409)" in out and "no worker pools" in out
 
 
 def test_admin_port_is_a_separate_listener_on_localhost(tiny_mixtral):
@@ -115,7 +140,8 @@ def test_admin_port_is_a_separate_listener_on_localhost(tiny_mixtral):
         snap = httpx.get(admin + "/admin/expert-load", timeout=30)
         assert snap.status_code == 200 and "tokens" in snap.json()
         assert httpx.post(admin + "/admin/rebalance", json={"slots_per_worker": 99}).status_code == 400
-        assert set(httpx.get(admin + "/openapi.json").json()["paths"]) == {"/admin/rebalance", "/admin/expert-load"}
+        assert set(httpx.get(admin + "/openapi.json").json()["paths"]) == {"/admin/rebalance", "/admin/scale",
+                                                                           "/admin/expert-load"}
         assert httpx.get(admin + "/v1/models").status_code == 404
 
 
@@ -442,7 +468,8 @@ def test_schemathesis_over_the_whole_schema(fuzz_url, mode):
     url = fuzz_url
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     ops = {op.ok().label for op in schema.get_all_operations()}
-    assert {"POST /admin/rebalance", "GET /admin/expert-load", "POST /v1/completions", "GET /ready"} <= ops
+    assert {"POST /admin/rebalance", "POST /admin/scale", "GET /admin/expert-load", "POST /v1/completions",
+            "GET /ready"} <= ops
     session = requests.Session()
     seen: dict[str, int] = {}
 

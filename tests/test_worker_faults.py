@@ -30,10 +30,11 @@ def _shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("afd")}
 
 
-@pytest.mark.parametrize("victim,fault", [("expert1", "kill"), ("attention0", "kill"), ("expert0", "stop")])
+@pytest.mark.parametrize("victim,fault", [("expert1", "kill"), ("attention0", "kill"), ("expert0", "stop"),
+                                          ("attention1", "stop")])
 def test_a_lost_worker_is_replaced_and_requests_go_on(tiny_mixtral, victim, fault):
-    """kill -9 an expert or an attention worker, or SIGSTOP an expert for 5 s, mid-decode: the
-    worker is fenced and replaced, the others keep their state, and greedy outputs equal the
+    """kill -9 an expert or an attention worker, or SIGSTOP one for 5 s, mid-decode: the worker is
+    fenced (a stopped attention worker by the front end's heartbeat deadline) and replaced, the others keep their state, and greedy outputs equal the
     fault-free run's (the interrupted step runs again; a lost attention worker's requests are
     recomputed from prompt plus the tokens already delivered)."""
     before = _shm()
@@ -72,7 +73,8 @@ def test_a_lost_worker_is_replaced_and_requests_go_on(tiny_mixtral, victim, faul
     now = [w.pid for w in llm.engine.workers.values()]
     llm.shutdown()
     assert not any(_alive(p) for p in pids + now)
-    assert _shm() <= before
+    ours = {str(p) for p in pids + now + [os.getpid()]}  # other tests on this machine may hold segments now
+    assert {n for n in _shm() - before if n.split("_")[1] in ours} == set()
 
 
 def _generate_streaming(llm, prompts, params, started):

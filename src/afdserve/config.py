@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 from afdserve.errors import ConfigError
 
 
+MAX_POOL_WORKERS = 64  # workers per pool (attention, expert) that a deployment or a resize may ask for
+
+
 def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:
     """How a step of ``tokens`` tokens is cut into micro-batches: ``micro_batches`` (at most one per
     token) of about equal token counts. The one rule the pipeline, the stats and the planner share."""
@@ -43,6 +46,8 @@ class EngineConfig:
     expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
     comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
     comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer (per 256 tokens in flight)
+    on_expert_loss: str = "wait"  # while a lost expert worker is replaced: "wait" for it, or "drop" its experts
+    heartbeat_timeout_ms: float = 3000.0  # a worker silent this long (dead, stopped) is fenced and replaced
     startup_timeout_s: float = 300.0
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
     load_window: int = 64  # engine steps of expert load kept for balancing and /metrics
@@ -82,6 +87,9 @@ class EngineConfig:
         check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
               "must be > 0")
+        check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
+        check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
+              and self.heartbeat_timeout_ms >= 100, "must be >= 100")
         check("cluster", self.cluster in ("local", "ray"), "use 'local' or 'ray'")
         check("ray_address", self.ray_address is None or (isinstance(self.ray_address, str) and self.ray_address != ""),
               "must be a non-empty string or None")

@@ -60,3 +60,13 @@ class AttentionBalancer:
 
     def remove(self, worker: str, rid: str) -> None:
         self.lengths[worker].pop(rid, None)
+
+    def add_worker(self, worker: str) -> None:
+        if worker not in self.workers:
+            self.workers.append(worker)
+            self.lengths.setdefault(worker, {})
+
+    def remove_worker(self, worker: str) -> None:
+        """Stops picking ``worker`` (its requests are moved by the caller)."""
+        self.workers.remove(worker)
+        self.lengths.pop(worker, None)

@@ -40,6 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="M2N transport between workers (auto: shared memory on one host, TCP across hosts)")
     d.add_argument("--comm-timeout-ms", type=float, default=2000.0, metavar="MS",
                    help="how long a worker waits for a peer (per 256 tokens in flight) before it counts it as failed")
+    d.add_argument("--on-expert-loss", default="wait", choices=["wait", "drop"],
+                   help="while a lost expert worker is replaced: wait for it (outputs unchanged; tokens of "
+                        "replicated experts go to a replica meanwhile), or drop its experts (top-(K-1) routing "
+                        "over the rest, counted in /metrics)")
+    d.add_argument("--heartbeat-timeout-ms", type=float, default=3000.0, metavar="MS",
+                   help="how long the front end waits for a worker's heartbeat before it fences and replaces it "
+                        "(a stalled or stopped process)")
     d.add_argument("--trace", default=None, metavar="PATH",
                    help="write a Chrome/Perfetto trace of every worker to PATH on shutdown")
     d.add_argument("--deployment", default=None, metavar="FILE",
@@ -60,6 +67,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
+              heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),
+              on_expert_loss=getattr(args, "on_expert_loss", "wait"),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)

@@ -20,6 +20,7 @@ COMMANDS = {
     "trace-plot": "afdserve.cli.trace_plot",
     "expert-load": "afdserve.cli.expert_load",
     "rebalance": "afdserve.cli.rebalance",
+    "scale": "afdserve.cli.scale",
 }
 
 

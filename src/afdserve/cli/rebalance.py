@@ -35,13 +35,13 @@ def main(args: argparse.Namespace) -> int:
         if args.snapshot:
             r = c.get(f"{base}/admin/expert-load")
             if r.status_code != 200:
-                return _failed("reading the expert load", r)
+                return failed("reading the expert load", r)
             with open(args.snapshot, "w") as f:
                 f.write(r.text)
         r = c.post(f"{base}/admin/rebalance", json={"slots_per_worker": args.slots_per_worker,
                                                      "planner": args.planner})
     if r.status_code != 200:
-        return _failed("rebalance", r)
+        return failed("rebalance", r)
     body = r.json()
     print(f"expert map version {body['version']}")
     for w, layers in enumerate(body["experts_per_worker"]):
@@ -49,7 +49,8 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _failed(what: str, r: "httpx.Response") -> int:
+def failed(what: str, r: "httpx.Response") -> int:
+    """Prints why an admin call failed (with a hint for 401/404); returns the exit status."""
     try:
         message = r.json().get("error", {}).get("message", r.text)
     except ValueError:

@@ -21,12 +21,13 @@ from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
 from afdserve.cluster.prefix_routing import PrefixRecord, record_capacity
+from afdserve.cluster import resize
 from afdserve.cluster.process_launcher import start_store
-from afdserve.cluster.supervisor import Membership
+from afdserve.cluster.supervisor import Heartbeats, Membership
 from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import context_len, front_end_tokenizer, prefix_config, resolve_model
-from afdserve.engine.client import RebalanceResult
+from afdserve.engine.client import RebalanceResult, ScaleResult
 from afdserve.engine.frontend import FrontEnd
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class ClusterClient(FrontEnd):
         self._store = start_store(getattr(launch, "store_host", "127.0.0.1"))
         group = f"{os.getpid()}_{secrets.token_hex(3)}"
         self.membership = Membership(group)
+        self.heartbeats = Heartbeats(cfg.heartbeat_timeout_ms / 1000)
         self.can_replace = bool(getattr(launch, "can_replace", True))  # a lost worker is replaced (else: fail)
         specs = [WorkerSpec(role, i, cfg, str(path), self.expert_map, self._store.addr, group,
                             frozenset(tok.eos_token_ids), trace=bool(cfg.trace))
@@ -75,12 +77,12 @@ class ClusterClient(FrontEnd):
         self.owner: dict[str, str] = {}  # request id -> attention worker
         self.lengths: dict[str, int] = {}  # request id -> tokens so far (for attention balance)
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> what to re-admit
-        self.balancer = AttentionBalancer(self.attention, attention_request_cost(cfg.attention_cost)) \
-            if cfg.attention_cost else AttentionBalancer(self.attention)
+        self.balancer = AttentionBalancer(list(self.attention), attention_request_cost(cfg.attention_cost)) \
+            if cfg.attention_cost else AttentionBalancer(list(self.attention))
         prefix = prefix_config(cfg, path)  # cache-aware routing: where each request's prompt blocks went
         self.routes = PrefixRecord(self.attention, cfg.block_size, prefix.salt,
                                    record_capacity(cfg, self.model_cfg, self.max_model_len)) \
-            if prefix is not None and len(self.attention) > 1 else None
+            if prefix is not None else None  # (one attention worker: kept for a resize that adds more)
         self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
         self._held: list[TokenOutput] = []  # outputs that arrived during a control call
         self._closed = False
@@ -136,7 +138,7 @@ class ClusterClient(FrontEnd):
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if self.failed:
             raise WorkerError(f"deployment failed: {self.failed}")
-        keys = self.routes.key(prompt_token_ids) if self.routes is not None else []
+        keys = self.routes.key(prompt_token_ids) if self.routes is not None and len(self.attention) > 1 else []
         cached = self.routes.match(keys) if keys and self.routes is not None else None
         # least predicted attention time, or the longest cached prefix while its load is not far above
         target = self.balancer.pick(len(prompt_token_ids), params.max_tokens, cached)
@@ -160,6 +162,17 @@ class ClusterClient(FrontEnd):
             timeout = 0.0
         for name, msg in self._receive(self._live(), timeout):
             outs += self._handle(name, msg)
+        return outs + self._fence_stalled()
+
+    def _fence_stalled(self) -> list[TokenOutput]:
+        """Fences and replaces every worker that is up but silent past ``heartbeat_timeout_ms``: a
+        stopped attention worker is caught here (a stopped expert also by its peers' deadline)."""
+        live = [n for n in self._live() if not self.membership.pending(n)]
+        outs: list[TokenOutput] = []
+        for name, silent in self.heartbeats.stalled(live):
+            if self.workers[name].dead or self.membership.pending(name):  # replaced by an earlier one
+                continue
+            outs += self._lost(name, f"{self._who(name)} stalled: no heartbeat for {silent:.1f} s")
         return outs
 
     def _release(self, request_id: str) -> str | None:
@@ -192,6 +205,9 @@ class ClusterClient(FrontEnd):
             return self._lost(msg.peer, f"{msg.worker} lost it: {msg.reason}")
         if isinstance(msg, Ready) and msg.epoch == self.membership.epoch and self.membership.recovery is not None:
             self.membership.ready(name)
+            self.heartbeats.heard(name)
+            if self.membership.recovery is None and self.membership.degraded_since is not None:
+                self._rejoin()
         if isinstance(msg, StatsReply):
             self.stats_view.on_stats(name, msg.stats)
         return []
@@ -204,25 +220,47 @@ class ClusterClient(FrontEnd):
             return []
         if not self.can_replace:
             return self._fail_all(name, reason)
-        if self.membership.state.get(name) == "restarting" and self.membership.start_failed(name):
+        if self.membership.pending(name) and self.membership.start_failed(name):
             return self._fail_all(name, f"{self._who(name)} could not be restarted: {reason}")
         self.workers[name].kill()
-        survivors = [n for n in self.workers if n != name and self.membership.state.get(n) != "restarting"]
+        survivors = [n for n in self.workers if n != name and not self.membership.pending(n)]
         rec = self.membership.begin(name, reason, survivors)
         group = self.membership.group_of(rec.epoch)
+        missing = self._serve_around(rec.starting)
+        rec.degraded = bool(missing)
+        for n in survivors:  # first: with missing workers, the others serve on while the replacements start
+            self.workers[n].send(Regroup(rec.epoch, group, len(self.attention), len(self.experts), missing=missing))
         for n in sorted(rec.starting):  # replacements still starting are in an older epoch: start them anew
             if n != name:
                 self.workers[n].kill()
-            spec = replace(self.specs[n], group=group, epoch=rec.epoch, expert_map=self.expert_map,
-                           map_version=self.map_version)
+            spec = replace(self.specs[n], config=self.config, group=group, epoch=rec.epoch, deferred=bool(missing),
+                           expert_map=self.expert_map, map_version=self.map_version)
             self.workers[n] = self._launch(spec)
             if n in self.attention:
                 if self.routes is not None:
                     self.routes.forget(n)  # a new process: its prefix cache is empty
                 self._readmit(n)
-        for n in survivors:
-            self.workers[n].send(Regroup(rec.epoch, group))
         return []
+
+    def _serve_around(self, starting: set[str]) -> tuple[int, ...]:
+        """The expert workers (indices) that the others serve around while they are replaced: with
+        ``on_expert_loss="drop"`` any, with "wait" only those whose every expert has a replica on
+        another worker (outputs do not change); none when an attention worker is lost too, with the
+        expert-side gate, or when no expert worker is left. Empty: every step waits for the
+        replacements."""
+        if not starting <= set(self.experts) or self.config.gate != "attention" or starting == set(self.experts):
+            return ()
+        missing = tuple(sorted(self.experts.index(n) for n in starting))
+        if self.config.on_expert_loss == "drop":
+            return missing
+        return () if bool(self.expert_map.without(set(missing)).lost_experts().any()) else missing
+
+    def _rejoin(self) -> None:
+        """After a degraded epoch: every worker, the loaded replacements included, connects again."""
+        rec = self.membership.rejoin(list(self.workers))
+        group = self.membership.group_of(rec.epoch)
+        for w in self.workers.values():
+            w.send(Regroup(rec.epoch, group, len(self.attention), len(self.experts)))
 
     def _readmit(self, worker: str) -> None:
         """Hands the requests of a lost attention worker to its replacement: prompt plus the tokens
@@ -230,9 +268,35 @@ class ClusterClient(FrontEnd):
         for rid, owner in self.owner.items():
             if owner == worker:
                 prompt, params = self.requests[rid]
-                self.workers[worker].send(AddRequest(rid, prompt, params, self.outputs.tokens_so_far(rid)))
+                self.workers[worker].send(AddRequest(rid, prompt, params, self.delivered(rid)))
                 if self.routes is not None:  # recomputed there: its prompt blocks will be cached there
                     self.routes.add(worker, self.routes.key(prompt))
+
+    def delivered(self, request_id: str) -> list[int]:
+        """The tokens of an engine request that reached this front end (taken in, or held from a control call)."""
+        held = [t for o in self._held if o.request_id == request_id for t in o.new_token_ids]
+        return self.outputs.tokens_so_far(request_id) + held
+
+    # ---- membership changes on request ----------------------------------------------------------
+    def scale(self, attention_workers: int | None = None, expert_workers: int | None = None,
+              timeout: float = 300.0) -> ScaleResult:
+        """Resizes the attention and/or expert pool while serving (``afdserve.cluster.resize``)."""
+        return resize.scale(self, attention_workers, expert_workers, timeout)
+
+    def launch_worker(self, spec: WorkerSpec) -> Any:
+        return self._launch(spec)
+
+    def settle(self, timeout: float) -> None:
+        """Waits until the membership change under way (a replacement, a resize) is complete; outputs
+        arriving meanwhile are kept for the next ``get_outputs``."""
+        deadline = time.monotonic() + timeout
+        while (rec := self.membership.recovery) is not None and not self.failed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"membership epoch {rec.epoch} not complete within {timeout:.0f} s: waiting "
+                                  f"for {sorted(rec.starting | rec.regrouping)}")
+            for name, m in self._receive(self._live(), min(left, 0.1)):
+                self._held += self._handle(name, m)
 
     def _fail_all(self, name: str | None, reason: str) -> list[TokenOutput]:
         """Fails every in-flight request with an error naming the failed worker."""
@@ -267,6 +331,7 @@ class ClusterClient(FrontEnd):
                     w.dead = True
                     yield name, None
                     break
+                self.heartbeats.heard(name)
                 yield name, msg  # type: ignore[misc]
 
     def _call(self, targets: list[str], msg: ToWorker | Callable[[int], ToWorker], reply: type,
@@ -302,6 +367,7 @@ class ClusterClient(FrontEnd):
         ``slots_per_worker`` slots each) while serving: expert workers first load the new experts
         next to the old ones, then every attention worker switches maps between two steps, then
         the experts no longer needed are dropped. No request fails and no output changes."""
+        self.settle(120.0)  # a membership change under way (its maps) finishes first
         if placement is None:
             from afdserve.balance.planners import plan_janus, plan_megascale
 

@@ -42,7 +42,7 @@ class PrefixRecord:
 
     def add(self, worker: str, keys: list[bytes]) -> None:
         """``worker`` was sent these blocks: they are the most recently used there."""
-        held = self.keys[worker]
+        held = self.keys.setdefault(worker, OrderedDict())
         for k in keys:
             held[k] = None
             held.move_to_end(k)
@@ -52,6 +52,10 @@ class PrefixRecord:
     def forget(self, worker: str) -> None:
         """``worker`` was replaced: it holds nothing."""
         self.keys[worker] = OrderedDict()
+
+    def drop(self, worker: str) -> None:
+        """``worker`` left the pool (a resize)."""
+        self.keys.pop(worker, None)
 
 
 def record_capacity(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:

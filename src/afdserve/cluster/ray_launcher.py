@@ -11,6 +11,9 @@
   pipe; the front end sees the same ``Launched`` interface;
 * the M2N transport is chosen per pair as everywhere (``transport="auto"``), with the Ray node as
   the machine identity: shared memory between actors of one node, TCP between nodes;
+* a lost worker is fenced (its actor killed) and its replacement is a new actor in the same bundle
+  of the placement group (so on a node of the same kind); workers added by a resize get a placement
+  group of their own;
 * shutdown stops every worker, kills the actors and removes the placement group.
 """
 
@@ -96,6 +99,15 @@ class RayLaunched(ControlLink):
     def wait(self, timeout: float) -> None:
         ray.wait([self.ref], timeout=timeout)
 
+    def kill(self) -> None:
+        """Fences the worker: its actor killed (not restarted by Ray), its channel closed."""
+        self.dead = True
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # Ray already shut down: its actors are gone with it
+            pass
+        self.ctl.close()
+
     def join(self, timeout: float) -> None:
         """The front end has sent ``Shutdown``: wait for the worker to return, then kill the actor."""
         try:
@@ -109,11 +121,11 @@ class RayLaunched(ControlLink):
 
 class RayLauncher:
     """``launch(spec) -> RayLaunched`` for ``ClusterClient``, plus ``prepare`` (reserve the placement
-    group and start every actor at once) and ``close`` (release everything). A lost actor is not
-    replaced yet (the deployment fails, naming it and its node)."""
+    group and start every actor at once) and ``close`` (release everything). Launching a worker
+    that was launched before (a replacement) starts a new actor in the old one's bundle."""
 
     remote = True
-    can_replace = False
+    can_replace = True
 
     def __init__(self, cfg: Any, spec: DeploymentSpec | None = None, address: str | None = None,
                  host: str | None = None):
@@ -129,6 +141,9 @@ class RayLauncher:
         self.store_host = host or os.environ.get("AFD_FRONTEND_HOST") or ray.util.get_node_ip_address()
         self.pgs: list[Any] = []  # one per prepare() (ClusterClient prepares the whole deployment once)
         self.actors: dict[str, tuple[Any, dict]] = {}  # worker name -> (actor handle, info)
+        self.bundles: dict[str, tuple[Any, int, dict]] = {}  # worker name -> (placement group, index, bundle)
+        self.launched: set[str] = set()  # workers whose actor ran once (launching again: a replacement)
+        self._actor_cls = ray.remote(max_restarts=0)(WorkerActor)
         self._key = secrets.token_bytes(16)
         self._closed = False
 
@@ -177,16 +192,23 @@ class RayLauncher:
             raise WorkerError(f"the placement group of {len(bundles)} bundles ({spec.source}) was not ready after "
                               f"{spec.placement_timeout_s:g} s: " + (why or "Ray did not reserve it (other jobs or "
                                                                      "placement groups may hold the resources)"))
-        actor_cls = ray.remote(max_restarts=0)(WorkerActor)
         calls = {}
         for i, s in enumerate(specs):
-            b = bundles[i]
-            a = actor_cls.options(
-                num_cpus=b.get("CPU", 0), resources={k: v for k, v in b.items() if k != "CPU"},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                name=f"afdserve-{s.group}-{s.name}").remote()
+            self.bundles[s.name] = (pg, i, bundles[i])
+            a = self._start_actor(s)
             self.actors[s.name] = (a, {})
             calls[s.name] = a.info.remote()
+        self._await_info(calls)
+
+    def _start_actor(self, s: Any) -> Any:
+        pg, i, b = self.bundles[s.name]
+        return self._actor_cls.options(
+            num_cpus=b.get("CPU", 0), resources={k: v for k, v in b.items() if k != "CPU"},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            name=f"afdserve-{s.group}-{s.name}").remote()
+
+    def _await_info(self, calls: dict[str, Any]) -> None:
+        cfg = self.cfg
         deadline = time.monotonic() + cfg.startup_timeout_s
         for name, ref in calls.items():
             try:
@@ -199,8 +221,18 @@ class RayLauncher:
 
     # ---- launching ------------------------------------------------------------------------
     def __call__(self, spec: Any) -> RayLaunched:
-        if spec.name not in self.actors:
+        if spec.name in self.launched:  # a replacement: the old actor was fenced; a new one in its bundle
+            old, _ = self.actors[spec.name]
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:
+                pass
+            a = self._start_actor(spec)  # spec.group names the membership epoch: a fresh actor name
+            self.actors[spec.name] = (a, {})
+            self._await_info({spec.name: a.info.remote()})
+        elif spec.name not in self.actors:
             self.prepare([spec])  # launched alone (prepare was not called for the deployment)
+        self.launched.add(spec.name)
         actor, info = self.actors[spec.name]
         spec = replace(spec, config=self.spec.worker_config(spec.role, spec.config),
                        comm={**spec.comm, "machine_id": f"ray-node:{info['node_id']}", "host": info["ip"]})

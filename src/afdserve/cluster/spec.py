@@ -20,7 +20,7 @@ Ray; placement keys (``resources``, ``labels``, ``num_cpus``, ``strategy``) only
     expert_split = [4, 4]           # experts per expert worker (contiguous ranges of expert ids)
 
 Values in the file win over the engine's options of the same meaning (``attention_workers``,
-``expert_workers``, ``micro_batches``, ``gate``, ``expert_split``, ``comm_transport``).
+``expert_workers``, ``micro_batches``, ``gate``, ``expert_split``, ``comm_transport``, ``on_expert_loss``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ else:  # pragma: no cover
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ROLES = ("attention", "expert")
 DEFAULT_RESOURCES = {"attention": {"attention_node": 0.001}, "expert": {"expert_node": 0.001}}
-_TOP_KEYS = {"micro_batches", "gate", "strategy", "comm_transport", "placement_timeout_s", "plan", *ROLES}
+_TOP_KEYS = {"micro_batches", "gate", "strategy", "comm_transport", "on_expert_loss", "placement_timeout_s", "plan",
+             *ROLES}
 _ROLE_KEYS = {"workers", "num_cpus", "threads", "resources", "labels"}
 
 
@@ -71,6 +72,7 @@ class DeploymentSpec:
     expert_split: list[int] | None = None  # experts per expert worker (the expert placement)
     strategy: str = "PACK"
     comm_transport: str | None = None  # None: leave the engine's (auto: shm within a node, TCP across)
+    on_expert_loss: str | None = None  # None: leave the engine's ("wait" | "drop")
     placement_timeout_s: float = 120.0  # how long Ray may take to reserve every bundle
     plan: dict[str, Any] = field(default_factory=dict)  # the planner's prediction, for the record (not used)
     source: str = "<spec>"  # where it was read from, for messages
@@ -115,6 +117,8 @@ class DeploymentSpec:
             raise bad("strategy", self.strategy, f"use one of {', '.join(STRATEGIES)}")
         if self.comm_transport is not None and self.comm_transport not in ("auto", "shm", "tcp", "torch"):
             raise bad("comm_transport", self.comm_transport, "use auto, shm, tcp or torch")
+        if self.on_expert_loss is not None and self.on_expert_loss not in ("wait", "drop"):
+            raise bad("on_expert_loss", self.on_expert_loss, "use 'wait' or 'drop'")
         if not is_num(self.placement_timeout_s) or self.placement_timeout_s <= 0:
             raise bad("placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
         if self.expert_split is not None and (
@@ -131,6 +135,8 @@ class DeploymentSpec:
                                    expert_split=list(self.expert_split) if self.expert_split else None)
         if self.comm_transport is not None:
             out["comm_transport"] = self.comm_transport
+        if self.on_expert_loss is not None:
+            out["on_expert_loss"] = self.on_expert_loss
         return out
 
     def role(self, name: str) -> RoleSpec:
@@ -181,7 +187,7 @@ class DeploymentSpec:
             raise ConfigError(f"{source}: [plan] must be a table")
         return cls(attention=roles["attention"], expert=roles["expert"], micro_batches=data.get("micro_batches", 1),
                    gate=data.get("gate", "attention"), expert_split=split, strategy=data.get("strategy", "PACK"),
-                   comm_transport=data.get("comm_transport"),
+                   comm_transport=data.get("comm_transport"), on_expert_loss=data.get("on_expert_loss"),
                    placement_timeout_s=data.get("placement_timeout_s", 120.0), plan=plan, source=source)
 
     def to_toml(self) -> str:
@@ -192,6 +198,8 @@ class DeploymentSpec:
                  f"placement_timeout_s = {_toml(self.placement_timeout_s)}"]
         if self.comm_transport is not None:
             lines.append(f"comm_transport = {_toml(self.comm_transport)}")
+        if self.on_expert_loss is not None:
+            lines.append(f"on_expert_loss = {_toml(self.on_expert_loss)}")
         for role in ROLES:
             r = self.role(role)
             lines += ["", f"[{role}]", f"workers = {_toml(r.workers)}", f"num_cpus = {_toml(r.num_cpus)}"]

@@ -1,4 +1,5 @@
-"""Membership of a cluster: which workers are up, and the replacement of one that died or stalled.
+"""Membership of a cluster: which workers are up, the replacement of one that died or stalled, and
+the workers added or removed when a pool is resized (the same epochs).
 
 A lost worker is fenced (killed: a stalled process that wakes up finds itself gone) and a replacement
 with the same role and index is launched into a new *membership epoch*: the M2N group of epoch e is
@@ -26,6 +27,8 @@ class Recovery:
     started: float = field(default_factory=time.monotonic)
     starting: set[str] = field(default_factory=set)  # replacements not ready yet
     regrouping: set[str] = field(default_factory=set)  # survivors that have not acknowledged the epoch
+    resize: bool = False  # a pool was resized on request (not a fault)
+    degraded: bool = False  # expert replacements deferred: the others serve around them, then all rejoin
 
     @property
     def done(self) -> bool:
@@ -38,12 +41,18 @@ class Membership:
 
     group: str  # the deployment's name; epoch e's M2N group is f"{group}.{e}" (epoch 0: the name itself)
     epoch: int = 0
-    state: dict[str, str] = field(default_factory=dict)  # worker -> "up" | "restarting"
+    state: dict[str, str] = field(default_factory=dict)  # worker -> "up" | "restarting" | "starting"
     restarts: dict[str, int] = field(default_factory=dict)
     last_failure: dict[str, str] = field(default_factory=dict)
     failed_starts: dict[str, int] = field(default_factory=dict)
     recovery: Recovery | None = None
     recovery_seconds: list[float] = field(default_factory=list)  # how long each recovery took
+    resize_seconds: list[float] = field(default_factory=list)  # how long each resize took
+    degraded_since: float | None = None  # a degraded epoch is complete: its replacements must rejoin
+
+    def pending(self, name: str) -> bool:
+        """``name`` is a replacement or an added worker that is not ready yet."""
+        return self.state.get(name) in ("restarting", "starting")
 
     def group_of(self, epoch: int) -> str:
         return self.group if epoch == 0 else f"{self.group}.{epoch}"
@@ -63,6 +72,25 @@ class Membership:
         log.warning("worker %s lost (%s): replacing it (membership epoch %d)", lost, reason, self.epoch)
         return rec
 
+    def resize(self, added: list[str], removed: list[str], survivors: list[str]) -> Recovery:
+        """A new epoch in which ``added`` start and ``removed`` are gone; the survivors regroup."""
+        self.epoch += 1
+        for name in removed:
+            self.state.pop(name, None)
+        rec = Recovery(self.epoch, starting=set(added), regrouping=set(survivors), resize=True)
+        for name in added:
+            self.state[name] = "starting"
+        self.recovery = rec
+        log.warning("resizing: +%s -%s (membership epoch %d)", added, removed, self.epoch)
+        return rec
+
+    def rejoin(self, names: list[str]) -> Recovery:
+        """A new epoch with every worker connected again (after a degraded one)."""
+        self.epoch += 1
+        started, self.degraded_since = self.degraded_since or time.monotonic(), None
+        self.recovery = Recovery(self.epoch, started=started, regrouping=set(names))
+        return self.recovery
+
     def ready(self, name: str) -> bool:
         """A worker of the current epoch is up; True when the recovery is complete."""
         self.state[name] = "up"
@@ -74,9 +102,13 @@ class Membership:
         rec.regrouping.discard(name)
         if rec.done:
             self.recovery = None
-            self.recovery_seconds.append(time.monotonic() - rec.started)
-            log.warning("membership epoch %d complete: every worker up (%.1f s after the loss)", rec.epoch,
-                        self.recovery_seconds[-1])
+            if rec.degraded:  # the others serve around the replacements, which are loaded: now they rejoin
+                self.degraded_since = rec.started
+                return False
+            took = time.monotonic() - rec.started
+            (self.resize_seconds if rec.resize else self.recovery_seconds).append(took)
+            log.warning("membership epoch %d complete: every worker up (%.1f s after the %s)", rec.epoch, took,
+                        "resize" if rec.resize else "loss")
             return True
         return False
 
@@ -84,3 +116,27 @@ class Membership:
         """A replacement died before it was ready; True when it should not be tried again."""
         self.failed_starts[name] = self.failed_starts.get(name, 0) + 1
         return self.failed_starts[name] >= MAX_FAILED_STARTS
+
+
+@dataclass
+class Heartbeats:
+    """When the front end last heard from each worker (any message counts; every worker sends a
+    ``Heartbeat`` from a thread of its own several times per ``timeout``). A worker silent for longer
+    than ``timeout`` is stalled (SIGSTOPped, a frozen host) or gone. If the front end itself did not
+    look for a while (a long control call), nobody is judged until they had ``timeout`` to speak again."""
+
+    timeout: float
+    last: dict[str, float] = field(default_factory=dict)
+    looked: float = field(default_factory=time.monotonic)
+
+    def heard(self, name: str) -> None:
+        self.last[name] = time.monotonic()
+
+    def stalled(self, names: list[str]) -> list[tuple[str, float]]:
+        """(worker, seconds silent) for each of ``names`` silent for longer than ``timeout``."""
+        now = time.monotonic()
+        if now - self.looked > self.timeout / 2:  # we were away: every worker gets a fresh start
+            self.last = {n: now for n in self.last}
+        self.looked = now
+        return [(n, now - self.last.setdefault(n, now)) for n in names
+                if now - self.last.setdefault(n, now) > self.timeout]

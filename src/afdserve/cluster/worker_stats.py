@@ -26,13 +26,17 @@ class ClusterStats:
         self.load: LoadSnapshot | None = None
         self.expert_tokens: list[list[int]] = []  # per-expert figures: read at each refresh
         self.sizes: list[int] = []  # micro-batches run since the last snapshot
+        self.dropped = 0  # expert assignments the attention workers dropped (a missing expert worker)
 
     def on_step(self, worker: str, stats: AttentionStats, micro_batches: int) -> None:
         self.latest[worker] = stats
+        self.dropped += stats.dropped
         self.sizes += micro_batch_sizes(stats.step_tokens, micro_batches)
 
     def on_stats(self, worker: str, stats: AttentionStats | ExpertStats) -> None:
         self.latest[worker] = stats
+        if isinstance(stats, AttentionStats):
+            self.dropped += stats.dropped
         if stats.load is not None:
             self.loads[worker] = stats.load
         if isinstance(stats, AttentionStats) and stats.prefix is not None:
@@ -60,7 +64,7 @@ class ClusterStats:
             kv_usage={a: st.kv_usage for a in self.attention if isinstance(st := self.latest.get(a), AttentionStats)},
             expert_tokens=self.expert_tokens, expert_worker_tokens=per_worker, busy_seconds=dict(self.busy),
             busy_fraction=dict(self.meter.fraction), expert_load=self.load, micro_batch_sizes=sizes,
-            prefix_cache=dict(self.prefix))
+            prefix_cache=dict(self.prefix), dropped_expert_assignments=self.dropped)
 
     def _expert_tokens(self) -> list[list[int]]:
         """Per layer and expert, the tokens the expert workers computed (each worker counts the

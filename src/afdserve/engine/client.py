@@ -22,6 +22,16 @@ class RebalanceResult:
     experts_per_worker: list[list[list[int]]]  # [expert worker][layer] -> logical experts it holds
 
 
+@dataclass(frozen=True)
+class ScaleResult:
+    attention_workers: int
+    expert_workers: int
+    epoch: int  # the membership epoch of the resized deployment
+    map_version: int  # of the expert map now in use (re-placed when the expert pool changed)
+    seconds: float  # from the request until every worker of the new membership was ready
+    experts_per_worker: list[list[list[int]]]  # [expert worker][layer] -> logical experts it holds
+
+
 class EngineClient(Protocol):
     config: EngineConfig
     tokenizer: TokenizerInfo | None
@@ -62,6 +72,10 @@ class EngineClient(Protocol):
                   placement: Placement | None = None) -> RebalanceResult:
         """Moves experts to a placement planned from the recent load, while serving; ConfigError
         when the deployment has no expert workers."""
+
+    def scale(self, attention_workers: int | None = None, expert_workers: int | None = None) -> ScaleResult:
+        """Resizes the attention and/or expert pool while serving (None: unchanged); ConfigError
+        when the deployment cannot (no expert workers, a launcher that cannot start workers)."""
 
     def set_micro_batches(self, m: int) -> None: ...
 

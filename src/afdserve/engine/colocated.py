@@ -8,7 +8,7 @@ import time
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
 from afdserve.config import EngineConfig
-from afdserve.engine.client import RebalanceResult
+from afdserve.engine.client import RebalanceResult, ScaleResult
 from afdserve.engine.engine import Engine
 from afdserve.engine.frontend import FrontEnd
 from afdserve.engine.outputs import TokenOutput
@@ -73,6 +73,9 @@ class ColocatedClient(FrontEnd):
     def rebalance(self, slots_per_worker: int | None = None, planner: str = "janus",
                   placement: Placement | None = None) -> RebalanceResult:
         raise ConfigError("this deployment has no expert workers to rebalance (expert_workers=0)")
+
+    def scale(self, attention_workers: int | None = None, expert_workers: int | None = None) -> ScaleResult:
+        raise ConfigError("the colocated engine (expert_workers=0) has no worker pools to resize")
 
     def set_micro_batches(self, m: int) -> None:
         if m != 1:

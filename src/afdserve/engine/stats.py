@@ -27,6 +27,7 @@ class EngineStats:
     restarts: dict[str, int] = field(default_factory=dict)  # worker -> restarts so far
     last_failure: dict[str, str] = field(default_factory=dict)  # worker -> why it last failed
     prefix_cache: dict[str, PrefixCacheStats] = field(default_factory=dict)  # worker -> its prefix cache (refreshed)
+    dropped_expert_assignments: int = 0  # (token, k) pairs dropped while an expert worker was missing (so far)
 
 
 def cpu_seconds(pid: int) -> float | None:

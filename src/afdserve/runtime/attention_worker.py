@@ -95,11 +95,15 @@ class AttentionWorker:
         elif isinstance(msg, SetMicroBatches):  # between steps, like SwitchMap
             self.runner.m = msg.m
             ctl.send(Ack(name, msg.m))
-        elif isinstance(msg, Regroup):  # a peer was replaced: new links, same weights, caches and requests
-            self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl)
+        elif isinstance(msg, Regroup):  # membership changed: new links, same weights, caches and requests
+            # between steps, like SwitchMap: a resized expert pool's new map; missing expert workers
+            self.runner.set_map(msg.map_version if msg.expert_map is not None else self.runner.version,
+                                msg.expert_map or self.runner.full_map, msg.missing)
+            self.peers = [worker_name("expert", j) for j in range(msg.expert_workers)]
+            self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
-            self.runner.set_map(msg.version, msg.expert_map)
+            self.runner.set_map(msg.version, msg.expert_map)  # (never while an expert worker is missing)
             ctl.send(Ack(name, msg.version))
         else:
             raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
@@ -107,9 +111,10 @@ class AttentionWorker:
     def _stats(self, load: str | None = None, transports: dict[str, str] | None = None,
                prefix: PrefixCacheStats | None = None) -> AttentionStats:
         eng = self.engine
+        dropped, self.runner.dropped = self.runner.dropped, 0
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, self.runner.tokens_per_worker.tolist(),
-                              load, transports or {}, prefix)
+                              load, transports or {}, prefix, dropped)
 
     def close(self) -> None:
         self.links.close()

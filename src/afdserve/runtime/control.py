@@ -3,6 +3,7 @@ their one encoding over a ``multiprocessing`` connection (a local pipe, or TCP f
 
 from __future__ import annotations
 
+import threading
 from multiprocessing.connection import Connection
 
 from afdserve.runtime.messages import FromWorker, ToWorker, decode, encode
@@ -11,9 +12,12 @@ from afdserve.runtime.messages import FromWorker, ToWorker, decode, encode
 class ControlChannel:
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._lock = threading.Lock()  # a worker's heartbeat thread sends too
 
     def send(self, msg: ToWorker | FromWorker) -> None:
-        self.conn.send_bytes(encode(msg))
+        data = encode(msg)
+        with self._lock:
+            self.conn.send_bytes(data)
 
     def recv(self) -> ToWorker | FromWorker:
         return decode(self.conn.recv_bytes())

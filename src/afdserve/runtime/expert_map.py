@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afdserve.balance.placement import LayerPlacement, Placement
+from afdserve.balance.placement import EMPTY, LayerPlacement, Placement
 from afdserve.balance.routing import route_replicas
 from afdserve.errors import ConfigError
 
@@ -61,5 +61,18 @@ class ExpertMap:
         if int(lp.replica_counts().max()) > 1:
             return route_replicas(topk_ids, lp)
         if layer not in self._owner:
-            self._owner[layer] = torch.tensor([lp.replicas_of(e)[0] for e in range(lp.num_experts)])
+            self._owner[layer] = torch.tensor([(lp.replicas_of(e) or (-1,))[0] for e in range(lp.num_experts)])
         return self._owner[layer][topk_ids]
+
+    def without(self, workers: set[int]) -> "ExpertMap":
+        """This map while ``workers`` are missing: they hold nothing (their slots empty), so a
+        replicated expert's tokens go to its replicas on the others."""
+        return ExpertMap(Placement(tuple(
+            LayerPlacement(lp.num_experts, tuple((EMPTY,) * len(s) if w in workers else s
+                                                 for w, s in enumerate(lp.slots)))
+            for lp in self.placement.layers)))
+
+    def lost_experts(self) -> torch.Tensor:
+        """bool [L, E]: the experts no worker holds (a missing worker's unreplicated experts)."""
+        return torch.tensor([[len(lp.replicas_of(e)) == 0 for e in range(lp.num_experts)]
+                             for lp in self.placement.layers])

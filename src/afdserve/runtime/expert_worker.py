@@ -39,24 +39,28 @@ class ExpertWorker:
         self.reader = reader
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
-        self.links = Links.connect(spec, peers=self.peers)
-        self.waiting_for_regroup = False  # a peer was lost: nothing to gather until the links are new
+        # a deferred replacement connects on its first Regroup (its peers serve around it meanwhile)
+        self.links: Links | None = None if spec.deferred else Links.connect(spec, peers=self.peers)
+        self.waiting_for_regroup = spec.deferred  # a peer was lost: nothing to gather until the links are new
         self.epoch = spec.epoch  # membership epoch of the links
 
     def serve(self, ctl: ControlChannel) -> None:
         while True:
             t0 = time.time_ns()
             msgs = []
-            if not self.waiting_for_regroup:
+            if not self.waiting_for_regroup and self.links is not None:
                 try:
                     msgs = self.links.gather(0.05)
                 except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
                     self._lost(e, ctl)
+            links = self.links
             while ctl.poll(0 if not self.waiting_for_regroup else 0.05):
                 msg = ctl.recv()
                 if isinstance(msg, Shutdown):
                     return
                 self._control(msg, ctl)
+            if self.links is not links:  # regrouped: what came over the old links belongs to a step that runs again
+                msgs = []
             if not msgs:
                 continue
             if self.tracer.enabled:
@@ -79,8 +83,12 @@ class ExpertWorker:
             load = c.tracker.snapshot().to_json() if c.tracker is not None else None
             ctl.send(StatsReply(name, ExpertStats(c.tokens_per_expert.tolist(),
                                                   [list(p.expert_ids) for p in c.experts.layers], load,
-                                                  self.links.transports())))
-        elif isinstance(msg, Regroup):  # a peer was replaced: new links, same experts
+                                                  self.links.transports() if self.links is not None else {})))
+        elif isinstance(msg, Regroup):  # membership changed: new links, same experts unless the map changed
+            if msg.expert_map is not None:  # the expert pool was resized: hold this worker's share of the new map
+                c.experts = regroup_experts(c.experts, msg.expert_map.experts_of(self.spec.index), self.reader)
+                c.maps = {msg.map_version: msg.expert_map}
+            self.peers = [worker_name("attention", i) for i in range(msg.attention_workers)]
             self.links = regroup(self.links, self.spec, self.peers, msg, ctl)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, PrepareMap):  # hold the union of the current and the new map's experts
@@ -99,6 +107,7 @@ class ExpertWorker:
 
     def _round(self, msgs: list[tuple[int, Any]]) -> None:
         """One message from each attention worker that sent one; tokens of a layer are merged."""
+        assert self.links is not None  # messages came over them
         by_layer: dict[tuple[int, int], list[tuple[int, Any]]] = {}
         for i, msg in msgs:  # merged per (layer, map version)
             by_layer.setdefault((msg.meta.layer, msg.meta.tag), []).append((i, msg))
@@ -114,4 +123,5 @@ class ExpertWorker:
                     self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0))
 
     def close(self) -> None:
-        self.links.close()
+        if self.links is not None:
+            self.links.close()

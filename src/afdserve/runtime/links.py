@@ -37,12 +37,15 @@ def max_micro_batches(started_with: int) -> int:
 
 
 class Links:
-    def __init__(self, comm: Communicator, peers: Sequence[str]):
+    def __init__(self, comm: Communicator, peers: Sequence[str], present: Sequence[str] | None = None):
         self.comm, self.peers = comm, list(peers)
+        self.present = list(peers if present is None else present)  # peers connected (not missing)
 
     @classmethod
-    def connect(cls, spec: WorkerSpec, peers: Sequence[str], group: str | None = None) -> "Links":
-        """Links to ``peers`` in the deployment's M2N group (``group``: of a later membership epoch)."""
+    def connect(cls, spec: WorkerSpec, peers: Sequence[str], group: str | None = None,
+                missing: Sequence[int] = ()) -> "Links":
+        """Links to ``peers`` (but the ``missing`` indices) in the deployment's M2N group (``group``:
+        of a later membership epoch)."""
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
@@ -50,8 +53,9 @@ class Links:
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **spec.comm)
         comm = Communicator(spec.name, store, cfg, group=group or spec.group)
-        comm.connect(send_to=peers, recv_from=peers)
-        return cls(comm, peers)
+        present = [p for i, p in enumerate(peers) if i not in set(missing)]
+        comm.connect(send_to=present, recv_from=present)
+        return cls(comm, peers, present)
 
     def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
         step, mb, layer, tag = meta
@@ -65,12 +69,12 @@ class Links:
         """Waits up to ``timeout`` for a first message, then takes the messages other peers have
         already delivered: one per peer (empty list when nothing came)."""
         try:
-            first = self.comm.recv_any(self.peers, timeout=timeout)
+            first = self.comm.recv_any(self.present, timeout=timeout)
         except PeerTimeoutError:
             return []
         got = [(self.peers.index(first.peer), first)]
         for i, name in enumerate(self.peers):
-            if name == first.peer:
+            if name == first.peer or name not in self.present:
                 continue
             try:
                 got.append((i, self.comm.recv(name, timeout=0.0)))
@@ -83,7 +87,7 @@ class Links:
 
     def transports(self) -> dict[str, str]:
         """The M2N transport to each peer ('shm', 'tcp' or 'torch')."""
-        return {name: self.comm.transport(name) for name in self.peers}
+        return {name: self.comm.transport(name) for name in self.present}
 
     def close(self) -> None:
         self.comm.close()
@@ -95,10 +99,12 @@ def _td(seconds: float):
     return timedelta(seconds=seconds)
 
 
-def regroup(links: Links, spec: WorkerSpec, peers: Sequence[str], msg: Regroup, ctl: ControlChannel) -> Links:
-    """A worker's part of a membership change: close the old links, connect in the new epoch's group,
-    say so (``Ready(worker, pid, epoch)``)."""
-    links.close()
-    new = Links.connect(spec, peers, group=msg.group)
+def regroup(links: Links | None, spec: WorkerSpec, peers: Sequence[str], msg: Regroup, ctl: ControlChannel,
+            missing: Sequence[int] = ()) -> Links:
+    """A worker's part of a membership change: close the old links (none: a deferred replacement),
+    connect in the new epoch's group, say so (``Ready(worker, pid, epoch)``)."""
+    if links is not None:
+        links.close()
+    new = Links.connect(spec, peers, group=msg.group, missing=missing)
     ctl.send(Ready(spec.name, os.getpid(), msg.epoch))
     return new

@@ -4,11 +4,13 @@ one encoding (``encode``/``decode``: pickle, protocol 5, of these dataclasses on
 Front end -> worker: ``WorkerSpec`` (once, at start), ``AddRequest``, ``AbortRequests``, ``GetStats``,
 ``GetTrace``, ``SetMicroBatches``, the three phases of re-placing experts (``PrepareMap`` on expert
 workers, ``SwitchMap`` on attention workers, ``CommitMap`` on expert workers), ``Regroup`` (a worker
-was replaced: new M2N links), ``Shutdown``.
+was replaced, added or removed: new M2N links, and a new expert map when the expert pool changed),
+``Shutdown``.
 Worker -> front end: ``Ready`` (health: the worker serves), ``StepOutputs`` (new token ids, finish
-events and the progress of chunked prefills of one engine step, with the worker's stats), ``StatsReply``, ``TraceReply``, ``Ack`` (a
+events and the progress of chunked prefills of one engine step, with the worker's stats), ``StatsReply``,
+``TraceReply``, ``Ack`` (a
 control call took effect), ``PeerLost`` (a peer died or stalled: waiting for a ``Regroup``),
-``Crashed``.
+``Heartbeat`` (the process runs), ``Crashed``.
 Token payloads between workers travel over the M2N library, not here.
 """
 
@@ -38,6 +40,7 @@ class WorkerSpec:
     eos_token_ids: frozenset[int] = frozenset()  # the front end's (model config + tokenizer)
     epoch: int = 0  # membership epoch it starts in (a replacement's is > 0)
     map_version: int = 0  # version of expert_map (re-placed experts while serving)
+    deferred: bool = False  # a replacement that loads, says Ready, and connects only on its Regroup
     trace: bool = False
     comm: dict = field(default_factory=dict)  # CommConfig overrides
 
@@ -104,12 +107,21 @@ class CommitMap:
 
 @dataclass(frozen=True)
 class Regroup:
-    """The deployment's membership changed (a worker was replaced): connect the M2N links anew, in
-    group ``group`` (one per membership epoch, so a fenced process can never rejoin), keeping
-    everything else (weights, KV cache, requests); then ``Ack(worker, epoch)``."""
+    """The deployment's membership changed (a worker was replaced, added or removed): connect the M2N
+    links anew, in group ``group`` (one per membership epoch, so a fenced process can never rejoin),
+    to ``attention_workers`` x ``expert_workers`` peers, keeping everything else (weights, KV cache,
+    requests); then ``Ready(worker, pid, epoch)``. With ``expert_map`` (the expert pool was resized)
+    expert workers first hold that map's experts and attention workers dispatch with it. With
+    ``missing`` expert workers, attention workers connect to the others only and send the missing
+    ones' tokens to replicas, or drop them (``EngineConfig.on_expert_loss``)."""
 
     epoch: int
     group: str
+    attention_workers: int
+    expert_workers: int
+    expert_map: ExpertMap | None = None
+    map_version: int = 0
+    missing: tuple[int, ...] = ()  # expert workers lost and not replaced yet: served around (--on-expert-loss)
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,7 @@ class AttentionStats:
     load: str | None = None  # LoadSnapshot JSON (on GetStats, when this worker routes)
     transports: dict[str, str] = field(default_factory=dict)  # peer -> M2N transport (on GetStats)
     prefix: PrefixCacheStats | None = None  # its prefix cache's counters and tiers (on GetStats)
+    dropped: int = 0  # (token, k) expert assignments dropped since the last stats (a missing expert worker)
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,13 @@ class PeerLost:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """The worker process runs (sent from a thread of its own, whatever its main loop is doing)."""
+
+    worker: str
+
+
+@dataclass(frozen=True)
 class Crashed:
     worker: str
     error: str
@@ -193,7 +213,7 @@ class Crashed:
 
 ToWorker = Union[WorkerSpec, AddRequest, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap, SwitchMap,
                  CommitMap, Regroup, Shutdown]
-FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Crashed]
+FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Heartbeat, Crashed]
 _TYPES = ToWorker.__args__ + FromWorker.__args__  # type: ignore[attr-defined]
 
 

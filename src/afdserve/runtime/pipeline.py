@@ -42,10 +42,21 @@ class PipelinedRunner:
         self.vocab_size = model.cfg.vocab_size
         self.step_no = 0
         self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
+        self.full_map = expert_map  # the map without missing workers
+        self.lost: torch.Tensor | None = None  # bool [L, E]: experts no live worker holds (dropped)
+        self.dropped = 0  # (token, k) assignments dropped since the last report
 
-    def set_map(self, version: int, expert_map: ExpertMap) -> None:
-        """Switches the expert map (between steps: nothing is in flight then)."""
-        self.version, self.map = version, expert_map
+    def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
+        """Switches the expert map (between steps: nothing is in flight then). With ``missing``
+        expert workers (lost, their replacements not connected yet), their experts' tokens go to
+        replicas; those of experts with no replica are dropped: top-(K-1) routing over the rest, the
+        remaining weights scaled to the sum of all K."""
+        self.version, self.full_map = version, expert_map
+        self.map = expert_map.without(set(missing)) if missing else expert_map
+        lost = self.map.lost_experts() if missing else None
+        self.lost = lost if lost is not None and bool(lost.any()) else None
+        if expert_map.num_workers != self.tokens_per_worker.numel():  # the expert pool was resized
+            self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
@@ -89,7 +100,17 @@ class PipelinedRunner:
                 return InFlight(h, y, parts)
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
-            owner = self.map.route(layer, ids)
+            lost = self.lost[layer][ids] if self.lost is not None else None
+            if lost is not None and bool(lost.any()):  # an expert worker is missing: drop its experts
+                w = renormalized_weights(w, ~lost)
+                self.dropped += int(lost.sum())
+                held = (~self.lost[layer]).nonzero()
+                if held.numel() == 0:  # no expert of this layer is held anywhere: nothing routed
+                    owner = torch.full_like(ids, -1, dtype=torch.int64)
+                else:  # route the lost pairs as any held expert, then take them out
+                    owner = torch.where(lost, -1, self.map.route(layer, torch.where(lost, int(held[0, 0]), ids)))
+            else:
+                owner = self.map.route(layer, ids)
             for j in range(self.map.num_workers):
                 mine = owner == j
                 tokens = mine.any(dim=1).nonzero().squeeze(1)
@@ -112,6 +133,11 @@ class PipelinedRunner:
         for j, tokens in f.parts:
             with self.tracer.span("wait", mb=mb, layer=layer, peer=j):
                 msg = self.links.recv(j, timeout)
+            if (msg.meta.step, msg.meta.microbatch, msg.meta.layer) != (self.step_no, mb, layer):
+                msg.release()
+                raise RuntimeError(f"expert worker {j} answered step {msg.meta.step} micro-batch "
+                                   f"{msg.meta.microbatch} layer {msg.meta.layer}, expected ({self.step_no}, {mb}, "
+                                   f"{layer})")
             try:
                 part = msg.tensors[0]
                 if tokens is None:
@@ -122,3 +148,10 @@ class PipelinedRunner:
                 msg.release()
         with self.tracer.span("attention", mb=mb, layer=layer, phase="combine"):
             return self.model.post_moe(layer, f.h, f.y, routed)
+
+
+def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Top-k weights [T, k] with the pairs not in ``keep`` zeroed and the kept ones scaled to the
+    sum of all k (a token with none kept gets nothing routed)."""
+    kept = torch.where(keep, w, torch.zeros_like(w))
+    return kept * (w.sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny))

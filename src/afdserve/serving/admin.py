@@ -1,4 +1,4 @@
-"""The admin endpoints (``/admin/rebalance``, ``/admin/expert-load``): off the public API unless the
+"""The admin endpoints (``/admin/rebalance``, ``/admin/scale``, ``/admin/expert-load``): off the public API unless the
 server has an admin token (then on it, behind ``Authorization: Bearer``), or on their own listener
 bound to 127.0.0.1 (``create_admin_app``, ``--admin-port``), which shares the public server's
 ``AsyncEngine`` and event loop."""
@@ -16,7 +16,7 @@ from afdserve.errors import AfdServeError, ConfigError
 from afdserve.serving.async_engine import AsyncEngine
 from afdserve.serving.edge import DEFAULT_MAX_BODY_BYTES, RequestGuard, admin_auth
 from afdserve.serving.errors import ApiError, install_error_handlers
-from afdserve.serving.protocol import ErrorResponse, RebalanceRequest, RebalanceResponse
+from afdserve.serving.protocol import ErrorResponse, RebalanceRequest, RebalanceResponse, ScaleRequest, ScaleResponse
 
 _AUTH: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse, "description": "no admin token"},
@@ -49,6 +49,28 @@ def admin_router(engine: AsyncEngine, num_experts: int | None, token: str | None
         return JSONResponse(RebalanceResponse(version=res.version,
                                               experts_per_worker=res.experts_per_worker).model_dump())
 
+    @router.post("/scale", response_model=ScaleResponse, responses={
+        400: {"model": ErrorResponse, "description": "invalid request"},
+        409: {"model": ErrorResponse, "description": "no resize now: no worker pools, a launcher that cannot start "
+                                                     "workers, a failed deployment"},
+        413: {"model": ErrorResponse, "description": "the body is too large"}})
+    async def scale(body: ScaleRequest | None = None) -> Response:
+        """Adds or removes attention and/or expert workers while serving (experts re-placed by the
+        balance planner, a removed attention worker's requests moved); returns once every worker is up.
+        Sizes left out stay as they are (an empty body changes nothing and says what runs)."""
+        body = body or ScaleRequest()
+        if body.expert_workers is not None and num_experts is not None and body.expert_workers > num_experts:
+            raise ApiError(400, f"Invalid value for 'expert_workers': the model has {num_experts} experts, so at "
+                           f"most {num_experts} expert workers (got {body.expert_workers}).", param="expert_workers",
+                           code="invalid_value")
+        try:
+            res = await engine.call(lambda eng: eng.scale(body.attention_workers, body.expert_workers))
+        except ConfigError as e:  # e.g. the colocated engine
+            raise ApiError(409, str(e), code="scale_unsupported") from e
+        except (AfdServeError, ValueError) as e:
+            raise ApiError(409, str(e), code="scale_failed") from e
+        return JSONResponse(ScaleResponse(**vars(res)).model_dump())
+
     @router.get("/expert-load", responses={
         200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "the snapshot"},
         404: {"model": ErrorResponse, "description": "no load recorded yet"}})
@@ -63,12 +85,14 @@ def admin_router(engine: AsyncEngine, num_experts: int | None, token: str | None
 
 
 def limit_admin_schema(schema: dict[str, Any], num_experts: int | None) -> None:
-    """``slots_per_worker``'s maximum in ``schema``: the model's number of experts."""
-    props = schema.get("components", {}).get("schemas", {}).get("RebalanceRequest", {}).get("properties", {})
-    if num_experts is not None and "slots_per_worker" in props:
-        for option in props["slots_per_worker"]["anyOf"]:
-            if option.get("type") == "integer":
-                option["maximum"] = num_experts
+    """``slots_per_worker``'s and ``expert_workers``' maximum in ``schema``: the model's number of experts."""
+    schemas = schema.get("components", {}).get("schemas", {})
+    for model, prop in (("RebalanceRequest", "slots_per_worker"), ("ScaleRequest", "expert_workers")):
+        props = schemas.get(model, {}).get("properties", {})
+        if num_experts is not None and prop in props:
+            for option in props[prop]["anyOf"]:
+                if option.get("type") == "integer":
+                    option["maximum"] = min(num_experts, option.get("maximum", num_experts))
 
 
 def create_admin_app(engine: AsyncEngine, num_experts: int | None, token: str | None = None,

@@ -25,7 +25,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.
 MICRO_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-WORKER_STATES = ("up", "down", "restarting")
+WORKER_STATES = ("up", "down", "restarting", "starting")
 
 
 class _Snapshot(Collector):
@@ -89,7 +89,10 @@ def _workers(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily
                                 "(value 1)", labels=["worker", "cause"])
     for w, cause in sorted(s.last_failure.items()):
         failure.add_metric([w, cause if len(cause) <= 200 else cause[:197] + "..."], 1.0)
-    yield from (up, state, restarts, failure)
+    dropped = CounterMetricFamily("afdserve_dropped_expert_assignments", "(token, k) expert assignments dropped "
+                                  "while an expert worker was missing (--on-expert-loss=drop: top-(K-1) routing)")
+    dropped.add_metric([], s.dropped_expert_assignments)
+    yield from (up, state, restarts, failure, dropped)
 
 
 def _prefix_cache(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

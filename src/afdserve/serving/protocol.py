@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from afdserve.config import MAX_POOL_WORKERS
+
 
 def _integral(v: Any) -> Any:
     """JSON Schema counts 16.0 as an integer: accept integral floats, nothing else."""
@@ -348,4 +350,22 @@ class RebalanceRequest(_Strict):
 
 class RebalanceResponse(BaseModel):
     version: int
+    experts_per_worker: list[list[list[int]]]  # [worker][layer] -> logical experts held
+
+
+class ScaleRequest(_Strict):
+    """``POST /admin/scale``: resize the attention and/or the expert pool while serving."""
+
+    attention_workers: Annotated[int, Field(ge=1, le=MAX_POOL_WORKERS), INTEGRAL] | None = Field(
+        default=None, description="attention workers wanted (unchanged if absent)")
+    expert_workers: Annotated[int, Field(ge=1, le=MAX_POOL_WORKERS), INTEGRAL] | None = Field(
+        default=None, description="expert workers wanted (unchanged if absent; at most the model's number of experts)")
+
+
+class ScaleResponse(BaseModel):
+    attention_workers: int
+    expert_workers: int
+    epoch: int  # membership epoch of the resized deployment
+    map_version: int  # expert map in use (re-placed when the expert pool changed)
+    seconds: float  # until every worker of the new membership was ready
     experts_per_worker: list[list[list[int]]]  # [worker][layer] -> logical experts held
