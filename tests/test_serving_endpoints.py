@@ -151,7 +151,8 @@ def test_schemathesis_over_the_new_endpoints(url, mode):
 def test_worker_process_title(tiny_mixtral):
     """A worker process carries its role in its title (``ps`` shows ``afdserve: attention0``)."""
     code = ("import setproctitle, afdserve.runtime.worker as w\n"
-            "class Spec: name = 'attention0'; role = 'attention'\n"
+            "class Config: heartbeat_timeout_ms = 3000\n"
+            "class Spec: name = 'attention0'; role = 'attention'; config = Config()\n"
             "class Boom(Exception): pass\n"
             "def fail(spec): raise Boom(setproctitle.getproctitle())\n"
             "w.AttentionWorker = fail\n"

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["LoopbackLinks"]
 
 
-class _Reply:
-    __slots__ = ("tensors",)
+@dataclass(frozen=True)
+class _Meta:
+    step: int
+    microbatch: int
+    layer: int
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.tensors = tensors
+
+class _Reply:
+    __slots__ = ("tensors", "meta")
+
+    def __init__(self, tensors: list[torch.Tensor], meta: _Meta):
+        self.tensors, self.meta = tensors, meta
 
     def release(self) -> None:
         pass
@@ -26,16 +34,17 @@ class LoopbackLinks:
 
     def __init__(self, hidden: int, dtype: torch.dtype, on_recv: Callable[[], None] | None = None):
         self.hidden, self.dtype, self.on_recv = hidden, dtype, on_recv
-        self.pending: dict[int, list[int]] = {}
+        self.pending: dict[int, list[tuple[int, _Meta]]] = {}
 
     def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
-        self.pending.setdefault(peer, []).append(int(tensors[0].shape[0]))
+        step, mb, layer, _ = meta  # the reply answers this (step, micro-batch, layer), as an expert's does
+        self.pending.setdefault(peer, []).append((int(tensors[0].shape[0]), _Meta(step, mb, layer)))
 
     def recv(self, peer: int, timeout: float) -> _Reply:
-        n = self.pending[peer].pop(0)
+        n, meta = self.pending[peer].pop(0)
         if self.on_recv is not None:
             self.on_recv()
-        return _Reply([torch.zeros(n, self.hidden, dtype=self.dtype)])
+        return _Reply([torch.zeros(n, self.hidden, dtype=self.dtype)], meta)
 
     def close(self) -> None:
         pass
