@@ -29,6 +29,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gb
     num_threads: int | None = None  # torch threads of this process (None: leave as is)
+    compile: bool = False  # torch.compile the attention half of decode steps (AttentionModel.compile_decode)
     seed: int = 0
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
     attention_workers: int = 1
@@ -67,6 +68,7 @@ class EngineConfig:
               "must be an integer >= 1")
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
+        check("compile", isinstance(self.compile, bool), "must be true or false")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")
         check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
