@@ -7,6 +7,7 @@ subprocess per deployment (JSON lines on stdin/stdout); greedy token ids of both
 
     python benchmarks/ab_trees.py --base REV [--new PATH_OR_REV] [--rounds 5] [--batches 8,64]
         [--prompt-len 32] [--max-tokens 64] [--deployments colocated,disagg] [--json out/ab_trees.json]
+        [--threads N] [--new-options '{"compile": true}']
 
 --base/--new take a git revision (checked out into a temporary worktree, removed at exit) or the
 path of a source tree; --new defaults to this checkout, uncommitted changes included.
@@ -58,7 +59,7 @@ def worker(cfg: dict) -> None:
     blocks = max(math.ceil(model_cfg["max_position_embeddings"] / block),  # one max-length sequence
                  max_b * (math.ceil((cfg["prompt_len"] + cfg["max_tokens"]) / block) + 1))
     llm = LLM(None, cfg["dtype"], max_num_seqs=max_b, block_size=block, num_kv_blocks=blocks,
-              **DEPLOYMENTS[cfg["deployment"]])
+              **DEPLOYMENTS[cfg["deployment"]] | cfg["options"])
 
     def generate(batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
         rng = random.Random(batch)  # the same prompts on both sides
@@ -220,6 +221,10 @@ def main() -> None:
     ap.add_argument("--deployments", default="colocated,disagg")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine start or command")
     ap.add_argument("--json", default="out/ab_trees.json")
+    ap.add_argument("--threads", type=int, help="torch threads per engine process (default: the deployment's; "
+                    "1 on a loaded machine, where 2 threads per process wait on each other)")
+    ap.add_argument("--new-options", type=json.loads, default={},
+                    help="JSON object of engine options (LLM keywords) given to the new side only")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.deployments = args.deployments.split(",")
@@ -240,8 +245,10 @@ def main() -> None:
             print(f"{side:>4}: {tree} @ {revs[side]}")
         for dep in args.deployments:  # started one at a time, so loads don't compete
             for side, tree in trees.items():
+                options = ({"num_threads": args.threads} if args.threads else {}) \
+                    | (args.new_options if side == "new" else {})
                 cfg = {"tree": str(tree), "deployment": dep, "dtype": args.dtype, "max_batch": max(batches),
-                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "options": options}
                 print(f"starting {side} {dep} ...", flush=True)
                 engines[side, dep] = Engine(f"{side}/{dep}", cfg, tmp / f"{side}-{dep}.log", args.timeout)
         imported = {f"{side}/{dep}": e.info for (side, dep), e in engines.items()}
@@ -263,7 +270,8 @@ def main() -> None:
               "trees": {side: {"spec": getattr(args, side), "path": str(trees[side]), "revision": revs[side]}
                         for side in trees},
               "engines": imported,
-              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments")}
+              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments",
+                                                          "threads", "new_options")}
               | {"batches": batches, "engine_options": {d: DEPLOYMENTS[d] for d in args.deployments}},
               "summary": rows, "rounds": raw}
     if args.json:

@@ -37,6 +37,7 @@ class EngineConfig:
     prefix_cache_host_gb: float = 1.0  # host memory for blocks evicted from the KV cache (0: no host tier)
     prefix_cache_dir: str | None = None  # disk tier, kept across restarts (None: no disk tier)
     prefix_cache_disk_gb: float = 10.0  # bound of the disk tier
+    compile: bool = False  # torch.compile the attention half of decode steps (AttentionModel.compile_decode)
     seed: int = 0
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
     attention_workers: int = 1
@@ -83,6 +84,7 @@ class EngineConfig:
               and self.prefix_cache_dir != ""), "must be a non-empty path or None")
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
+        check("compile", isinstance(self.compile, bool), "must be true or false")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")
         check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,

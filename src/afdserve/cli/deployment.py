@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory per attention worker")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
     c = p.add_argument_group("prefix cache")
+    c.add_argument("--compile", action="store_true",
+                   help="torch.compile the attention half of decode steps (first compile ~10 s; off by default)")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="disable automatic prefix caching (reuse of the KV blocks of repeated prompt prefixes)")
     c.add_argument("--prefix-cache-host-gb", type=float, default=1.0, metavar="GB",
@@ -62,8 +64,9 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
-              enable_prefix_caching=not args.no_prefix_cache, prefix_cache_host_gb=args.prefix_cache_host_gb,
-              prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+              compile=args.compile, enable_prefix_caching=not args.no_prefix_cache,
+              prefix_cache_host_gb=args.prefix_cache_host_gb, prefix_cache_dir=args.prefix_cache_dir,
+              prefix_cache_disk_gb=args.prefix_cache_disk_gb,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),

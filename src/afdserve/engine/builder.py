@@ -82,6 +82,8 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     torch.manual_seed(cfg.seed)
     dtype = parse_dtype(cfg.dtype)
     model = AttentionModel.load(path, dtype, model_cfg, reader)
+    if cfg.compile:
+        model.compile_decode()
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
     kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,

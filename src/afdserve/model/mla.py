@@ -142,9 +142,9 @@ class MLAPart(nn.Module):
         for s in range(0, q.shape[0], self.DECODE_CHUNK):
             e = s + self.DECODE_CHUNK
             keys = cache[meta.decode_slots[s:e]][:, None]  # [S, 1, L, r + rope]: one key head
-            o = F.scaled_dot_product_attention(q[s:e, :, None, :], keys, keys[..., : m.kv_lora_rank],
-                                               attn_mask=meta.decode_mask[s:e], scale=m.softmax_scale,
-                                               enable_gqa=True)
-            outs.append(o[:, :, 0, :])
+            # the heads as the queries of that one key head (faster on CPU than enable_gqa)
+            o = F.scaled_dot_product_attention(q[s:e, None], keys, keys[..., : m.kv_lora_rank],
+                                               attn_mask=meta.decode_mask[s:e], scale=m.softmax_scale)
+            outs.append(o[:, 0])
         lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, nh, r]
         return torch.einsum("snr,nvr->snv", lat, w_uv)

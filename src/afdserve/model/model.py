@@ -7,6 +7,7 @@ given. Each is loaded from the checkpoint reading only its own tensors.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -54,6 +55,7 @@ class AttentionModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.rotary = Rope.from_config({"rope_theta": cfg.rope_theta, **cfg.extra}, cfg.head_dim,
                                        cfg.max_position_embeddings)
+        self._compiled = None  # compile_decode
         self.requires_grad_(False)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -66,11 +68,36 @@ class AttentionModel(nn.Module):
         if self.cfg.mla is not None:
             h, y = self.attn[layer](x, cos_sin, meta, kv.latent(layer))
         else:
+            compiled = self._compiled is not None and meta.is_decode
+            out = self._compiled_decode(layer, x, cos_sin, meta, kv) if compiled else None
+            if out is not None:
+                return out
             h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
         if not self.cfg.is_moe(layer):
             return h, y, None, None
         ids, w = self.routers[str(layer)](y)
         return h, y, ids, w
+
+    def compile_decode(self) -> None:
+        """Runs the attention half of every layer (attention and router) of a decode batch through
+        ``torch.compile`` (dynamic shapes: one compilation for every batch size and context length,
+        on the first decode step). A model whose compilation fails warns and stays eager. MLA
+        layers stay eager."""
+        if self.cfg.mla is None:
+            self._compiled = torch.compile(_decode_half, dynamic=True)
+
+    def _compiled_decode(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttnMetadata, kv: KVCache) -> tuple | None:
+        """``pre_moe`` of a decode batch through the compiled function; None if it failed."""
+        a, key = self.attn[layer], str(layer)
+        try:
+            return self._compiled(a, self.routers[key] if key in self.routers else None, x, *cos_sin,
+                                  meta.slot_mapping, *meta.decode_kv(a.window), kv.keys(layer), kv.values(layer))
+        except Exception as e:  # a compiler missing or failing: eager from now on
+            warnings.warn(f"torch.compile of the decode step failed, running eager: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+            self._compiled = None
+            return None
 
     def post_moe(self, layer: int, h: torch.Tensor, y: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor:
         """Combines the routed experts' output (and the shared expert) into the layer output; a
@@ -125,6 +152,14 @@ class AttentionModel(nn.Module):
                 a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
             _load_ffn(m, r, l, dt)
         return m
+
+
+def _decode_half(attn: AttentionPart, router: Router | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> tuple:
+    """``pre_moe`` of a decode batch on tensors only: what ``compile_decode`` compiles."""
+    h, y = attn.decode(x, cos, sin, slot_mapping, slots, mask, k_cache, v_cache)
+    return (h, y, None, None) if router is None else (h, y, *router(y))
 
 
 def _shared_expert(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
