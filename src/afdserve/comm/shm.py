@@ -93,7 +93,8 @@ def unlink(name: str) -> None:
         pass
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie counts as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -126,7 +127,7 @@ def sweep_shm(pids: Iterable[int] | None = None) -> list[str]:
         m = _NAME.match(name)
         assert m is not None
         pid = int(m.group(1))
-        if (wanted is not None and pid in wanted) or (wanted is None and pid != os.getpid() and not _pid_alive(pid)):
+        if (wanted is not None and pid in wanted) or (wanted is None and pid != os.getpid() and not pid_alive(pid)):
             unlink(name)
             removed.append(name)
     return removed

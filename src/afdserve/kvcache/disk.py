@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from afdserve.comm.shm import pid_alive
+
 FORMAT = "afdserve-kv-2"
 SUFFIX = ".kv"
 
@@ -36,16 +38,6 @@ def _digest(parts: Block) -> str:
 def _metadata(data: bytes) -> dict[str, str]:
     (n,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8:8 + n]).get("__metadata__", {})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def tier_dir(root: str | Path, salt: bytes) -> Path:
@@ -67,7 +59,7 @@ class DiskTier:
         found = []
         for f in self.dir.glob(".*.tmp"):  # a write cut short (its process is gone)
             pid = f.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 f.unlink(missing_ok=True)
         for f in self.dir.glob("*" + SUFFIX):
             try:
