@@ -29,6 +29,7 @@ import httpx
 
 from afdserve import SamplingParams
 from afdserve.bench.soak import kv_usage, scrape
+from afdserve.bench.sse import named_events
 from afdserve.cluster import build_client
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
@@ -38,17 +39,6 @@ DEPLOYMENTS = {"colocated": dict(expert_workers=0), "disaggregated": dict(expert
 
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
-
-
-def _events(resp: httpx.Response):
-    name = None
-    for line in resp.iter_lines():
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line == "data: [DONE]":
-            return
-        elif line.startswith("data: "):
-            yield name, json.loads(line[6:])
 
 
 def _wait_idle(url: str, timeout: float = 30.0) -> float:
@@ -90,7 +80,7 @@ def http_round(url: str, model: str, rng: random.Random, vocab: int, args: argpa
     job = httpx.post(url + "/v1/jobs", json=dict(body, prompt=prompt(rng, args.prompt, vocab))).json()
     at_cancel = None
     with httpx.stream("GET", f"{url}/v1/jobs/{job['id']}/events", timeout=600) as resp:
-        for kind, data in _events(resp):
+        for kind, data in named_events(resp.iter_lines()):
             if kind == "progress" and data["prompt_tokens_done"] >= args.prompt // 3:
                 at_cancel = data["prompt_tokens_done"]
                 t_cancel = time.perf_counter()

@@ -1,13 +1,13 @@
 """Async jobs (POST/GET/DELETE /v1/jobs, /events), prefill progress and cached tokens in outputs,
 ``stream_options.include_progress``, and cancellation that returns a prefill's KV blocks."""
 
-import json
 import time
 
 import httpx
 import pytest
 
 from afdserve.bench.soak import kv_usage, scrape
+from afdserve.bench.sse import named_events
 from afdserve.cluster import build_client
 from afdserve.config import EngineConfig
 from afdserve.engine.sampling_params import SamplingParams
@@ -66,19 +66,6 @@ def _wait_idle(url, timeout=30.0):
         time.sleep(0.02)
 
 
-def _events(resp):
-    """(event, data) pairs of an SSE response, up to [DONE]."""
-    name = None
-    for line in resp.iter_lines():
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line == "data: [DONE]":
-            return
-        elif line.startswith("data: "):
-            yield name, json.loads(line[6:])
-            name = None
-
-
 def test_engine_reports_prefill_progress_and_frees_blocks_on_abort(long_model):
     client = build_client(_cfg(long_model))
     try:
@@ -129,7 +116,7 @@ def test_chat_job_and_events(server):
     job = httpx.post(url + "/v1/jobs", json=body).json()
     with httpx.stream("GET", f"{url}/v1/jobs/{job['id']}/events", timeout=60) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
-        events = list(_events(resp))
+        events = list(named_events(resp.iter_lines()))
     kinds = [k for k, _ in events]
     assert kinds[-1] == "end" and "progress" in kinds and "output" in kinds, events
     done = [d["prompt_tokens_done"] for k, d in events if k == "progress"]
@@ -148,7 +135,7 @@ def test_cancel_mid_prefill_returns_blocks(server):
     body = {"model": MODEL, "prompt": _prompt(LONG, seed=1), "max_tokens": 4}
     job = httpx.post(url + "/v1/jobs", json=body).json()
     with httpx.stream("GET", f"{url}/v1/jobs/{job['id']}/events", timeout=60) as resp:
-        for kind, data in _events(resp):
+        for kind, data in named_events(resp.iter_lines()):
             if kind == "progress" and data["prompt_tokens_done"] > 0:
                 assert data["prompt_tokens_done"] < LONG
                 m = scrape(url)
@@ -217,7 +204,7 @@ def test_stream_include_progress(server):
     with httpx.stream("POST", url + "/v1/completions", timeout=60,
                       json=body | {"stream": True, "stream_options": {"include_progress": True,
                                                                       "include_usage": True}}) as resp:
-        chunks = [d for _, d in _events(resp)]
+        chunks = [d for _, d in named_events(resp.iter_lines())]
     progress = [c["progress"] for c in chunks if "progress" in c]
     done = [p["prompt_tokens_done"] for p in progress]
     assert done and done == sorted(done) and done[-1] == 400
@@ -231,7 +218,7 @@ def test_stream_include_progress(server):
     assert progress[-1]["cached_tokens"] == (400 - 1) // 16 * 16
     # without the option: no progress chunks
     with httpx.stream("POST", url + "/v1/completions", timeout=60, json=body | {"stream": True}) as resp:
-        assert not any("progress" in d for _, d in _events(resp))
+        assert not any("progress" in d for _, d in named_events(resp.iter_lines()))
 
 
 def test_prefix_cache_metrics(server):
