@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from afdserve.engine.sampler import SamplingInputs, sample
+from afdserve.engine.sampler import SamplingInputs, argmax_rows, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.errors import RequestError
 
@@ -111,3 +111,18 @@ def test_bad_sampling_params_are_refused():
         with pytest.raises(RequestError):
             SamplingParams(**kw)
     assert SamplingParams(logit_bias={3: 500}).logit_bias == {3: 100.0}
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1000, 32000])
+def test_argmax_rows_is_torch_argmax(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1, :] = 0.5  # all tied: the first column
+    x[2, vocab // 3] = x[2, vocab - 1] = 1e9  # tie between a chunk and the tail
+    x[3, vocab - 1] = 1e9  # the tail wins
+    x[4, 5] = float("nan")  # NaN counts as the maximum
+    x[5, vocab - 1] = float("nan")
+    x[6, :] = float("-inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        y = x.to(dtype)
+        assert torch.equal(argmax_rows(y), torch.argmax(y, dim=-1))

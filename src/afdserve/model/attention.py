@@ -10,6 +10,7 @@ from torch import nn
 
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm
+from afdserve.model.linear import Linear
 from afdserve.model.rope import apply_rotary
 
 
@@ -110,8 +111,8 @@ class AttentionPart(nn.Module):
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.qkv = nn.Linear(h, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(nh * hd, h, bias=cfg.o_proj_bias, dtype=dtype)
+        self.qkv = Linear(h, (nh + 2 * nkv) * hd, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(nh * hd, h, bias=cfg.o_proj_bias, dtype=dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(nh, dtype=dtype)) if cfg.attention_sinks else None

@@ -14,6 +14,7 @@ from torch import nn
 
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import swiglu
+from afdserve.model.linear import PackedWeight, packs
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,19 @@ class Activation:
 
 
 SILU = Activation()
+
+# the most tokens per thread for which ``ExpertPart`` runs every held expert densely
+DENSE_TOKENS_PER_THREAD = 16
+
+
+def _stacked(w: torch.Tensor) -> torch.Tensor:
+    """[n, N, K] expert weights as one [n*N, K] matrix (the experts' outputs side by side)."""
+    return w.reshape(-1, w.shape[-1])
+
+
+def _side_by_side(w: torch.Tensor) -> torch.Tensor:
+    """[n, H, I] down weights as one [H, n*I] matrix (sums the experts' products)."""
+    return w.permute(1, 0, 2).reshape(w.shape[1], -1)
 
 
 def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -89,8 +103,12 @@ class ExpertPart(nn.Module):
         for j, e in enumerate(self.expert_ids):
             local[e] = j
         self.register_buffer("local_index", local, persistent=False)
+        self.packed = [(PackedWeight(), PackedWeight()) for _ in self.expert_ids]
+        self.packed_all = (PackedWeight(), PackedWeight())  # every held expert side by side (dense path)
 
     def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.expert_ids and packs(y, self.w_gate_up) and self._dense_pays(y.shape[0], topk_ids.shape[1]):
+            return self._dense(y, topk_ids, topk_weights)
         out = torch.zeros_like(y)
         k = topk_ids.shape[1]
         local = self.local_index[topk_ids.reshape(-1)]
@@ -101,10 +119,60 @@ class ExpertPart(nn.Module):
         pairs = hit[order]  # flat (token, slot) pairs grouped by expert, experts in held order
         counts = torch.bincount(local[pairs], minlength=len(self.expert_ids))
         tokens = pairs // k
-        res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
+        x = y[tokens]
+        if packs(x, self.w_gate_up[0]):
+            res = self._packed_swiglu(x, counts)
+        else:
+            res = grouped_swiglu(x, self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
         res = res * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, res.to(y.dtype))
         return out
+
+    def _dense_pays(self, tokens: int, k: int) -> bool:
+        """Whether to run every held expert over every token (``_dense``). Few tokens make the
+        experts' GEMMs memory-bound: computing all held experts then costs about what reading their
+        weights costs, in two GEMM calls instead of two per expert, with no sorting, gathering or
+        scattering of tokens. Pays while the rows stay within what the cores compute in the time
+        the weights stream in (``DENSE_TOKENS_PER_THREAD`` per thread, measured by
+        ``benchmarks/linear_kernels.py``) and the batch is expected to touch at least half of the
+        experts (uniform routing), so that little of the weight read is wasted."""
+        if tokens > DENSE_TOKENS_PER_THREAD * torch.get_num_threads():
+            return False
+        num_experts = self.local_index.numel() - 1
+        return 1.0 - (1.0 - k / num_experts) ** tokens >= 0.5
+
+    def _dense(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Every held expert over every token: one packed GEMM for all gate/up projections (the
+        experts stacked [n*2I, H]), the activation scaled by each token's routing weight of each
+        expert (0 where not routed to it), one packed GEMM for all down projections (side by side
+        [H, n*I]), which also sums over the experts."""
+        t, n = y.shape[0], len(self.expert_ids)
+        local = self.local_index[topk_ids]  # [T, k]; -1 for experts held elsewhere: column n, dropped
+        weights = torch.zeros(t, n + 1, dtype=torch.float32)
+        weights.scatter_add_(1, torch.where(local >= 0, local, n), topk_weights.float())
+        weights = weights[:, :n]
+        gate_up, down = self.packed_all
+        b_gu = None if self.b_gate_up is None else self.b_gate_up.reshape(-1)
+        gu = gate_up(y, self.w_gate_up, b_gu, layout=_stacked).view(t, n, -1)
+        act = (self.act(gu) * weights[:, :, None]).to(y.dtype).reshape(t, -1)
+        out = down(act, self.w_down, None, layout=_side_by_side)
+        if self.b_down is not None:
+            out = out + (weights @ self.b_down.float()).to(y.dtype)
+        return out
+
+    def _packed_swiglu(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``grouped_swiglu`` through each expert's packed weights (CPU, bf16: see ``model.linear``):
+        one call per projection of each expert that has rows. On this path oneDNN's packed GEMM
+        beats ``torch._grouped_mm`` by more than the loop costs (``benchmarks/linear_kernels.py``)."""
+        parts = []
+        for j, rows in enumerate(x.split(counts.tolist())):
+            if rows.shape[0] == 0:
+                continue
+            gate_up, down = self.packed[j]
+            bias = self.b_gate_up is not None
+            gu = gate_up(rows, self.w_gate_up[j], self.b_gate_up[j] if bias else None)
+            parts.append(down(self.act(gu), self.w_down[j], self.b_down[j] if bias else None))
+        return torch.cat(parts)
 
     def weights(self, j: int) -> tuple[torch.Tensor, ...]:
         """Held expert j's tensors: (gate_up [2I, H], down [H, I]) and, with biases, (b_gate_up, b_down)."""
@@ -119,6 +187,8 @@ class ExpertPart(nn.Module):
             raise ValueError(f"expert weights: {len(tensors)} tensors given, {len(mine)} held")
         for dst, src in zip(mine, tensors):
             dst.copy_(src)
+        for packed in (*self.packed[j], *self.packed_all):
+            packed.reset()
 
 
 class SharedExpert(nn.Module):
@@ -130,6 +200,7 @@ class SharedExpert(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         self.gate = nn.Parameter(torch.empty(1, h, dtype=dtype), requires_grad=False)
+        self.packed = (PackedWeight(), PackedWeight())
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(y, self.gate)) * swiglu(y, self.w_gate_up, self.w_down)
+        return torch.sigmoid(F.linear(y, self.gate)) * swiglu(y, self.w_gate_up, self.w_down, self.packed)

@@ -21,6 +21,7 @@ from torch import nn
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm
+from afdserve.model.linear import Linear
 from afdserve.model.loader import CheckpointReader
 from afdserve.model.rope import apply_rotary
 
@@ -52,16 +53,16 @@ class MLAPart(nn.Module):
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * mla.qk_head_dim, bias=False, dtype=dtype)
+            self.q_proj = Linear(h, nh * mla.qk_head_dim, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_proj = Linear(h, mla.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_norm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS, dtype)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, nh * mla.qk_head_dim, bias=False, dtype=dtype)
-        self.kv_a_proj = nn.Linear(h, mla.latent_dim, bias=bias, dtype=dtype)
+            self.q_b_proj = Linear(mla.q_lora_rank, nh * mla.qk_head_dim, bias=False, dtype=dtype)
+        self.kv_a_proj = Linear(h, mla.latent_dim, bias=bias, dtype=dtype)
         self.kv_a_norm = RMSNorm(mla.kv_lora_rank, LORA_NORM_EPS, dtype)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
+        self.kv_b_proj = Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
                                    dtype=dtype)
-        self.o_proj = nn.Linear(nh * mla.v_head_dim, h, bias=bias, dtype=dtype)
+        self.o_proj = Linear(nh * mla.v_head_dim, h, bias=bias, dtype=dtype)
         self.requires_grad_(False)
 
     def load(self, r: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:

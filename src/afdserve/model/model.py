@@ -23,6 +23,7 @@ from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
 from afdserve.model.layers import RMSNorm
+from afdserve.model.linear import Linear
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -52,7 +53,7 @@ class AttentionModel(nn.Module):
         self.mlps = nn.ModuleDict({str(l): DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, dtype)
                                    for l in cfg.dense_layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.rotary = Rope.from_config({"rope_theta": cfg.rope_theta, **cfg.extra}, cfg.head_dim,
                                        cfg.max_position_embeddings)
         self._compiled = None  # compile_decode
@@ -109,7 +110,7 @@ class AttentionModel(nn.Module):
         return h + routed
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.lm_head.weight).float()
+        return self.lm_head(self.norm(x)).float()
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",

@@ -1,0 +1,99 @@
+"""The expert layer's GEMM paths on this CPU, side by side (bf16, the demo model's expert shapes).
+
+For each token count T and thread count, one expert layer (every expert of the layer held, top-k
+routing drawn uniformly) runs through:
+
+* ``grouped``: ``torch._grouped_mm`` over the tokens sorted by expert (packing off);
+* ``packed``: oneDNN GEMMs on prepacked weights, one call per projection of each expert with rows;
+* ``dense``: every held expert over every token in two packed GEMMs (``ExpertPart``; it still
+  declines a batch expected to touch fewer than half the experts, e.g. T = 1 with top-2 of 8).
+
+Each round times every path once per layer of a stack of ``--layers`` expert layers (so weights come
+from memory, not cache, as in a model), the paths' order rotated every round; medians over
+``--rounds`` rounds, microseconds per layer, and the ratio to ``grouped``. ``ExpertPart`` picks
+``dense`` for T up to ``DENSE_TOKENS_PER_THREAD`` x threads; this table is where that number comes
+from.
+
+    python benchmarks/linear_kernels.py [--tokens 4,8,16,32,64,128] [--threads 1,2] [--json out/linear_kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from afdserve.model import experts as experts_mod
+from afdserve.model import linear
+from afdserve.model.demo import demo_model_path
+from afdserve.model.model import ExpertModel
+
+PATHS = ("grouped", "packed", "dense")
+
+
+def _set_path(path: str) -> None:
+    os.environ["AFDSERVE_PACKED_WEIGHTS"] = "0" if path == "grouped" else "1"
+    linear.packing_available.cache_clear()
+    experts_mod.DENSE_TOKENS_PER_THREAD = 1 << 30 if path == "dense" else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the demo model)")
+    ap.add_argument("--tokens", default="2,4,8,16,32,64,128")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--layers", type=int, default=8, help="expert layers cycled through (weights beyond the cache)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dense_default = experts_mod.DENSE_TOKENS_PER_THREAD
+    model = ExpertModel.load(args.model or str(demo_model_path()), dtype="bfloat16")
+    layers = [p for p in model.layers if p.expert_ids][: args.layers]
+    num_experts, top_k = model.cfg.num_experts, model.cfg.top_k
+    if not linear.packing_available():
+        print("no oneDNN bf16 GEMM on this CPU: only the grouped path exists here")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for t in [int(x) for x in args.tokens.split(",")]:
+            y = torch.randn(t, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, top_k, generator=g), -1)
+            times: dict[str, list[float]] = {p: [] for p in PATHS}
+            with torch.inference_mode():
+                for r in range(args.rounds + 1):
+                    order = PATHS[r % 3:] + PATHS[: r % 3]
+                    for path in order:
+                        _set_path(path)
+                        t0 = time.perf_counter()
+                        for part in layers:
+                            part(y, ids, w)
+                        if r:  # round 0 packs the weights and warms up
+                            times[path].append((time.perf_counter() - t0) / len(layers) * 1e6)
+            med = {p: statistics.median(v) for p, v in times.items()}
+            rows.append({"threads": threads, "tokens": t, **{f"{p}_us": round(med[p], 1) for p in PATHS},
+                         **{f"{p}_min_max_us": [round(min(times[p]), 1), round(max(times[p]), 1)] for p in PATHS}})
+    _set_path("packed")
+    experts_mod.DENSE_TOKENS_PER_THREAD = dense_default
+    print(f"expert layer, bf16, {len(layers)} layers cycled, median us per layer over {args.rounds} rounds "
+          f"(ratio to grouped); ExpertPart runs dense for T <= {dense_default} x threads")
+    print(f"{'threads':>7} {'T':>5} {'grouped':>9} {'packed':>16} {'dense':>16}")
+    for row in rows:
+        g_us = row["grouped_us"]
+        print(f"{row['threads']:>7} {row['tokens']:>5} {g_us:>9.0f} "
+              f"{row['packed_us']:>9.0f} ({g_us / row['packed_us']:.2f}x) {row['dense_us']:>9.0f} "
+              f"({g_us / row['dense_us']:.2f}x)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "linear_kernels", "dtype": "bfloat16", "rounds": args.rounds,
+                       "layers": len(layers), "dense_tokens_per_thread": dense_default, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
