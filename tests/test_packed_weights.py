@@ -1,8 +1,6 @@
 """Prepacked weights (``model.linear``) and the expert layer's three paths (dense over all held
 experts, per-expert packed, grouped GEMM) against a plain per-token reference."""
 
-import pickle
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +9,7 @@ from afdserve.model import experts as experts_mod
 from afdserve.model import linear
 from afdserve.model.config import ModelConfig
 from afdserve.model.experts import ExpertPart
-from afdserve.model.linear import Linear, PackedWeight
+from afdserve.model.linear import STACKED, Linear, linear as packed_linear
 
 needs_packing = pytest.mark.skipif(not linear.packing_available(), reason="no oneDNN bf16 GEMM on this CPU")
 
@@ -20,9 +18,13 @@ needs_packing = pytest.mark.skipif(not linear.packing_available(), reason="no on
 def packing_off(monkeypatch):
     def off():
         monkeypatch.setenv("AFDSERVE_PACKED_WEIGHTS", "0")
-        linear.packing_available.cache_clear()
+        linear.reset_packing()
     yield off
-    linear.packing_available.cache_clear()
+    linear.reset_packing()
+
+
+def _entries(w: torch.Tensor) -> int:
+    return sum(1 for k in linear._packed if k[0] == w.data_ptr())
 
 
 @needs_packing
@@ -36,32 +38,46 @@ def test_packed_linear_gives_the_bits_of_f_linear(rows):
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-        assert lin.packed._packed is not None  # it did go through the packed weight
+    assert _entries(lin.weight) == 1  # it did go through a packed copy
 
 
 @needs_packing
-def test_packed_weight_follows_changes_of_the_weight():
+def test_packed_copies_follow_the_weight():
     w = torch.randn(32, 16).to(torch.bfloat16)
     x = torch.randn(4, 16).to(torch.bfloat16)
-    p = PackedWeight()
     with torch.inference_mode():
-        first = p(x, w)
+        first = packed_linear(x, w)
         w.copy_(torch.randn(32, 16))  # in place: the version counter moves
-        assert torch.equal(p(x, w), F.linear(x, w))
-        assert not torch.equal(p(x, w), first)
-        other = torch.randn(32, 16).to(torch.bfloat16)  # another tensor altogether
-        assert torch.equal(p(x, other), F.linear(x, other))
+        assert torch.equal(packed_linear(x, w), F.linear(x, w))
+        assert not torch.equal(packed_linear(x, w), first)
+        frozen = torch.randn(32, 16).to(torch.bfloat16)  # an inference tensor: no version counter
+        packed_linear(x, frozen)
+        frozen.copy_(torch.randn(32, 16))
+        linear.forget(frozen)  # so whoever changes it says so
+        assert torch.equal(packed_linear(x, frozen), F.linear(x, frozen))
+        stacked = torch.randn(3, 8, 16).to(torch.bfloat16)
+        assert torch.equal(packed_linear(x, stacked, None, STACKED), F.linear(x, stacked.reshape(24, 16)))
+    ptr = w.data_ptr()
+    del w  # the packed copies go with the weight
+    assert not any(k[0] == ptr for k in linear._packed)
+
+
+@needs_packing
+def test_packed_linear_inside_torch_compile():
+    lin = Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")  # the op traces without a graph break
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), F.linear(x, lin.weight))
 
 
 def test_float32_and_the_switch_stay_on_f_linear(packing_off):
-    p = PackedWeight()
     x, w = torch.randn(4, 16), torch.randn(32, 16)
-    assert torch.equal(p(x, w), F.linear(x, w)) and p._packed is None  # float32: never packed
-    off = Linear(16, 8, bias=False, dtype=torch.bfloat16)
+    assert torch.equal(packed_linear(x, w), F.linear(x, w)) and _entries(w) == 0  # float32: never packed
     packing_off()
+    off = Linear(16, 8, bias=False, dtype=torch.bfloat16)
     off(torch.randn(2, 16).to(torch.bfloat16))
-    assert off.packed._packed is None
-    assert pickle.loads(pickle.dumps(off)).packed._packed is None  # a copy starts unpacked
+    assert _entries(off.weight) == 0
 
 
 def _part(bias: bool, held: list[int], num_experts: int = 8) -> ExpertPart:
@@ -102,15 +118,13 @@ def test_every_expert_path_matches_the_reference(monkeypatch, bias, tokens, held
     w = torch.softmax(torch.randn(tokens, 2, generator=g), -1)
     want = _reference(part, y, ids, w)
     scale = want.abs().max()
-    seen = []
     for dense_limit, packing in ((1 << 20, "1"), (0, "1"), (0, "0")):  # dense, per-expert packed, grouped
         monkeypatch.setattr(experts_mod, "DENSE_TOKENS_PER_THREAD", dense_limit)
         monkeypatch.setenv("AFDSERVE_PACKED_WEIGHTS", packing)
-        linear.packing_available.cache_clear()
+        linear.reset_packing()
         with torch.inference_mode():
             got = part(y, ids, w).float()
         assert (got - want).abs().max() <= 0.03 * scale, (dense_limit, packing)
-        seen.append(got)
-    linear.packing_available.cache_clear()
+    linear.reset_packing()
     if linear.packing_available() and (1 - (1 - 2 / 8) ** tokens) >= 0.5:
-        assert part.packed_all[0]._packed is not None  # the dense path did run
+        assert any(k[0] == part.w_gate_up.data_ptr() and k[3] == STACKED for k in linear._packed)  # dense ran

@@ -36,6 +36,7 @@ class Load:
     max_len: int = 128
     expert_workers: int = 0
     micro_batches: int = 1
+    compile: bool = False  # afdserve: torch.compile of the decode step (EngineConfig.compile)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _afdserve(cfg: Load) -> tuple[Runner, dict[str, Any]]:
         torch.set_num_threads(1)
     llm = LLM(cfg.model, dtype=cfg.dtype, num_threads=cfg.threads, max_num_seqs=cfg.max_batch,
               max_num_batched_tokens=max(2048, cfg.max_batch * cfg.max_len), max_model_len=cfg.max_len,
-              expert_workers=cfg.expert_workers, micro_batches=cfg.micro_batches)
+              expert_workers=cfg.expert_workers, micro_batches=cfg.micro_batches, compile=cfg.compile)
 
     def run(prompts: list[list[int]], n: int, routing: bool) -> tuple[list[list[int]], list[float] | None]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

@@ -43,17 +43,20 @@ class EngineSpec:
 
 
 def afdserve_specs(model: str, cores: int, max_batch: int, max_len: int, dtype: str = "bfloat16",
-                   disaggregated: bool = True) -> list[EngineSpec]:
+                   disaggregated: bool = True, compiled: bool = False) -> list[EngineSpec]:
     """afdserve colocated (``cores`` threads) and 1 attention + 1 expert worker with 2 micro-batches
-    (``cores // 2`` threads per worker, so the two workers use the same cores)."""
+    (``cores // 2`` threads per worker, so the two workers use the same cores); ``compiled``: both
+    with ``compile=True``, named with a ``+compile`` suffix."""
     src = str(DRIVER.parents[2])  # this afdserve, in the driver too
     path = os.pathsep.join(dict.fromkeys(p for p in (src, *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p))
     worker = max(1, cores // 2)
-    specs = [EngineSpec("afdserve", Load("afdserve", model, dtype, cores, max_batch, max_len),
+    tag = " +compile" if compiled else ""
+    specs = [EngineSpec("afdserve" + tag, Load("afdserve", model, dtype, cores, max_batch, max_len, compile=compiled),
                         env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(cores)})]
     if disaggregated:
-        specs.append(EngineSpec("afdserve 1a+1e m2", Load("afdserve", model, dtype, worker, max_batch, max_len,
-                                                          expert_workers=1, micro_batches=2),
+        specs.append(EngineSpec("afdserve 1a+1e m2" + tag,
+                                Load("afdserve", model, dtype, worker, max_batch, max_len, expert_workers=1,
+                                     micro_batches=2, compile=compiled),
                                 env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(worker)}))
     return specs
 

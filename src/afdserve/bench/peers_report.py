@@ -33,10 +33,10 @@ def table(rows: list[dict[str, Any]], new_tokens: dict[int, int], bandwidth: flo
                      f"(decode step {bd['decode_step_bytes'] / 1e6:.1f} MB = weights {bd['weight_step_bytes'] / 1e6:.1f}"
                      f" + KV {bd['kv_step_bytes'] / 1e6:.2f}; experts per layer: {bd['experts_touched']:.2f}, "
                      f"{bd['basis']})")
-        lines.append(f"  {'engine':<20} {'median tok/s':>12} {'min':>8} {'max':>8} {'vs ' + REFERENCE:>8} {'of bound':>9}")
+        lines.append(f"  {'engine':<28} {'median tok/s':>12} {'min':>8} {'max':>8} {'vs ' + REFERENCE:>8} {'of bound':>9}")
         for name, e in row["engines"].items():
             ratio = f"{e['vs_' + REFERENCE]:.2f}x" if "vs_" + REFERENCE in e else "-"
-            lines.append(f"  {name:<20} {e['median']:>12,.0f} {e['min']:>8,.0f} {e['max']:>8,.0f} {ratio:>8} "
+            lines.append(f"  {name:<28} {e['median']:>12,.0f} {e['min']:>8,.0f} {e['max']:>8,.0f} {ratio:>8} "
                          f"{e['of_bound']:>8.0%}")
     return "\n".join(lines)
 

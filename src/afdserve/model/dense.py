@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from afdserve.model.layers import swiglu
-from afdserve.model.linear import PackedWeight
 from afdserve.model.loader import CheckpointReader
 
 
@@ -19,10 +18,9 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
-        self.packed = (PackedWeight(), PackedWeight())
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return swiglu(y, self.w_gate_up, self.w_down, self.packed)
+        return swiglu(y, self.w_gate_up, self.w_down)
 
     def load(self, r: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         """Reads ``{prefix}.gate_proj`` / ``up_proj`` / ``down_proj``."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import swiglu
-from afdserve.model.linear import PackedWeight, packs
+from afdserve.model.linear import SIDE_BY_SIDE, STACKED, forget, linear, packs
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,6 @@ SILU = Activation()
 
 # the most tokens per thread for which ``ExpertPart`` runs every held expert densely
 DENSE_TOKENS_PER_THREAD = 16
-
-
-def _stacked(w: torch.Tensor) -> torch.Tensor:
-    """[n, N, K] expert weights as one [n*N, K] matrix (the experts' outputs side by side)."""
-    return w.reshape(-1, w.shape[-1])
-
-
-def _side_by_side(w: torch.Tensor) -> torch.Tensor:
-    """[n, H, I] down weights as one [H, n*I] matrix (sums the experts' products)."""
-    return w.permute(1, 0, 2).reshape(w.shape[1], -1)
 
 
 def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -103,8 +93,6 @@ class ExpertPart(nn.Module):
         for j, e in enumerate(self.expert_ids):
             local[e] = j
         self.register_buffer("local_index", local, persistent=False)
-        self.packed = [(PackedWeight(), PackedWeight()) for _ in self.expert_ids]
-        self.packed_all = (PackedWeight(), PackedWeight())  # every held expert side by side (dense path)
 
     def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.expert_ids and packs(y, self.w_gate_up) and self._dense_pays(y.shape[0], topk_ids.shape[1]):
@@ -151,11 +139,10 @@ class ExpertPart(nn.Module):
         weights = torch.zeros(t, n + 1, dtype=torch.float32)
         weights.scatter_add_(1, torch.where(local >= 0, local, n), topk_weights.float())
         weights = weights[:, :n]
-        gate_up, down = self.packed_all
         b_gu = None if self.b_gate_up is None else self.b_gate_up.reshape(-1)
-        gu = gate_up(y, self.w_gate_up, b_gu, layout=_stacked).view(t, n, -1)
+        gu = linear(y, self.w_gate_up, b_gu, STACKED).view(t, n, -1)
         act = (self.act(gu) * weights[:, :, None]).to(y.dtype).reshape(t, -1)
-        out = down(act, self.w_down, None, layout=_side_by_side)
+        out = linear(act, self.w_down, None, SIDE_BY_SIDE)
         if self.b_down is not None:
             out = out + (weights @ self.b_down.float()).to(y.dtype)
         return out
@@ -168,10 +155,9 @@ class ExpertPart(nn.Module):
         for j, rows in enumerate(x.split(counts.tolist())):
             if rows.shape[0] == 0:
                 continue
-            gate_up, down = self.packed[j]
             bias = self.b_gate_up is not None
-            gu = gate_up(rows, self.w_gate_up[j], self.b_gate_up[j] if bias else None)
-            parts.append(down(self.act(gu), self.w_down[j], self.b_down[j] if bias else None))
+            gu = linear(rows, self.w_gate_up[j], self.b_gate_up[j] if bias else None)
+            parts.append(linear(self.act(gu), self.w_down[j], self.b_down[j] if bias else None))
         return torch.cat(parts)
 
     def weights(self, j: int) -> tuple[torch.Tensor, ...]:
@@ -187,8 +173,9 @@ class ExpertPart(nn.Module):
             raise ValueError(f"expert weights: {len(tensors)} tensors given, {len(mine)} held")
         for dst, src in zip(mine, tensors):
             dst.copy_(src)
-        for packed in (*self.packed[j], *self.packed_all):
-            packed.reset()
+        for t in (self.w_gate_up, self.w_down, self.b_gate_up, self.b_down):
+            if t is not None and t.is_inference():  # no version counter tells the packed copies
+                forget(t)
 
 
 class SharedExpert(nn.Module):
@@ -200,7 +187,6 @@ class SharedExpert(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         self.gate = nn.Parameter(torch.empty(1, h, dtype=dtype), requires_grad=False)
-        self.packed = (PackedWeight(), PackedWeight())
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(F.linear(y, self.gate)) * swiglu(y, self.w_gate_up, self.w_down, self.packed)
+        return torch.sigmoid(F.linear(y, self.gate)) * swiglu(y, self.w_gate_up, self.w_down)

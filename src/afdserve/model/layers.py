@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afdserve.model.linear import PackedWeight
+from afdserve.model.linear import linear
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +22,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-           packed: tuple[PackedWeight, PackedWeight] | None = None) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up stacked in one [2I, H] matrix (through
-    ``packed``, the two weights' ``PackedWeight``, if given)."""
-    lin_gate_up, lin_down = packed or (F.linear, F.linear)
-    gate, up = lin_gate_up(x, w_gate_up).chunk(2, dim=-1)
-    return lin_down(F.silu(gate) * up, w_down)
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up stacked in one [2I, H] matrix."""
+    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w_down)

@@ -1,13 +1,16 @@
 """Linear projections with weights prepacked for the CPU's GEMM library.
 
-On a CPU with bf16 GEMM support, oneDNN runs a weight reordered once into its blocked layout about
+On a CPU with bf16 GEMM support, oneDNN runs a weight reordered once into its blocked layout up to
 twice as fast as ``F.linear`` for the few-row products of decoding (``benchmarks/linear_kernels.py``),
-and gives the same bits. ``PackedWeight`` holds that reordered copy of one weight and makes it again
-when the weight changes (its storage or version counter moved: a load, ``copy_``, a regroup; an
-inference tensor has no version counter, so whoever changes one in place calls ``reset``).
-Everywhere else (CUDA, float32, no oneDNN, inside ``torch.compile``, ``AFDSERVE_PACKED_WEIGHTS=0``)
-it is ``F.linear``. Float32 stays on ``F.linear`` because the packed kernel rounds differently
-there (~1e-5), which would break token identity with transformers.
+and gives the same bits. ``linear`` keeps that reordered copy of each weight it sees (keyed by the
+weight's storage, shape and strides, for as long as the weight's base tensor lives) and makes it
+again when the weight changes in place (its version counter moves: a load, ``copy_``; an inference
+tensor has no version counter, so whoever changes one in place calls ``forget``). It is a custom op
+(``afdserve::packed_linear``), so ``torch.compile`` graphs call it as it is.
+
+Everywhere else (CUDA, float32, no oneDNN, ``AFDSERVE_PACKED_WEIGHTS=0``) it is ``F.linear``.
+Float32 stays on ``F.linear`` because the packed kernel rounds differently there (~1e-5), which
+would break token identity with transformers.
 
 The packed copy doubles the memory of the weights that use it (the expert layer's dense path, see
 ``ExpertPart``, keeps one more).
@@ -16,8 +19,7 @@ The packed copy doubles the memory of the weights that use it (the expert layer'
 from __future__ import annotations
 
 import os
-from functools import cache
-from typing import Callable
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,61 +29,87 @@ from torch import nn
 # hundred rows; measured not to matter much between 16 and 128)
 _ROWS_HINT = 64
 
+# how a weight becomes the [N, K] matrix that is packed (applied only when packing)
+PLAIN, STACKED, SIDE_BY_SIDE = 0, 1, 2
 
-@cache
+_available: bool | None = None
+# (data_ptr, shape, stride, layout) -> (weak reference to the weight's base, version, packed [N, K])
+_packed: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
 def packing_available() -> bool:
-    """oneDNN with bf16 GEMMs on this CPU, and not switched off."""
-    if os.environ.get("AFDSERVE_PACKED_WEIGHTS", "1") == "0":
-        return False
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    """oneDNN with bf16 GEMMs on this CPU, and not switched off (``AFDSERVE_PACKED_WEIGHTS=0``)."""
+    global _available
+    if _available is None:
+        try:
+            _available = os.environ.get("AFDSERVE_PACKED_WEIGHTS", "1") != "0" and bool(
+                torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _available = False
+    return _available
+
+
+def reset_packing() -> None:
+    """Reads ``AFDSERVE_PACKED_WEIGHTS`` again and drops every packed copy."""
+    global _available
+    _available = None
+    _packed.clear()
 
 
 def packs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``PackedWeight`` would run ``x @ w.T`` through a packed weight."""
-    return (w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu"
-            and not torch.compiler.is_compiling() and packing_available())
+    """Whether ``linear`` runs ``x @ w.T`` through a packed weight."""
+    return w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu" and packing_available()
 
 
-class PackedWeight:
-    """``F.linear(x, w, bias)`` through a reordered copy of ``w`` where that pays (see the module)."""
+def _layout(w: torch.Tensor, layout: int) -> torch.Tensor:
+    if layout == STACKED:  # [n, N, K] expert weights as one [n*N, K] matrix (outputs side by side)
+        return w.reshape(-1, w.shape[-1])
+    if layout == SIDE_BY_SIDE:  # [n, H, I] down weights as one [H, n*I] matrix (sums the experts)
+        return w.permute(1, 0, 2).reshape(w.shape[1], -1)
+    return w
 
-    __slots__ = ("_key", "_packed")
 
-    def __reduce__(self) -> tuple:  # copies and pickles start empty: the packed tensor is per process
-        return PackedWeight, ()
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, layout: int = PLAIN) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` the ``layout`` of ``w`` (``PLAIN``: ``w`` itself)."""
+    if packs(x, w):
+        return torch.ops.afdserve.packed_linear(x, w, bias, layout)
+    return F.linear(x, _layout(w, layout), bias)
 
-    def __init__(self) -> None:
-        self._key: tuple[int, int, tuple[int, ...]] | None = None
-        self._packed: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                 layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """``x @ layout(w).T + bias``; ``layout`` (applied only when packing) makes the [N, K] matrix
-        out of ``w``, which is then packed only when ``w`` itself changes."""
-        if not packs(x, w):
-            return F.linear(x, w if layout is None else layout(w), bias)
-        # an inference tensor has no version counter: its in-place changes need ``reset``
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version, tuple(w.shape))
-        if key != self._key:
-            w2 = w if layout is None else layout(w)
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w2.contiguous(), _ROWS_HINT)
-            self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+def forget(w: torch.Tensor) -> None:
+    """Drops the packed copies of ``w`` (whatever layout): call after changing an inference tensor
+    in place."""
+    ptr = w.data_ptr()
+    for key in [k for k in _packed if k[0] == ptr]:
+        del _packed[key]
 
-    def reset(self) -> None:
-        """Forgets the packed copy (the next call packs the weight again)."""
-        self._key = self._packed = None
+
+def _packed_weight(w: torch.Tensor, layout: int) -> torch.Tensor:
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), layout)
+    version = -1 if w.is_inference() else w._version
+    hit = _packed.get(key)
+    if hit is not None and hit[0]() is not None and hit[1] == version:
+        return hit[2]
+    base = w if w._base is None else w._base
+    packed = torch.ops.mkldnn._reorder_linear_weight(_layout(w, layout).contiguous(), _ROWS_HINT)
+    _packed[key] = (weakref.ref(base, lambda _, key=key: _packed.pop(key, None)), version, packed)
+    return packed
+
+
+@torch.library.custom_op("afdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
+    """oneDNN's linear over the packed copy of ``w`` (see the module)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(w, layout), bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
+    n = w.shape[1] if layout == SIDE_BY_SIDE else (w.shape[0] * w.shape[1] if layout == STACKED else w.shape[0])
+    return x.new_empty(*x.shape[:-1], n)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product goes through a ``PackedWeight``."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()  # a plain attribute: not in the state dict
+    """``nn.Linear`` through ``linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve.model.config import ModelConfig
-from afdserve.model.linear import PackedWeight
+from afdserve.model.linear import linear
 
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.packed = PackedWeight()
         self.top_k = cfg.top_k
         self.normalize = cfg.norm_topk_prob
         self.scoring, self.method = cfg.scoring, cfg.topk_method
@@ -54,12 +53,12 @@ class Router(nn.Module):
     def forward(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
         if self.logit_bias is not None:  # gpt-oss
-            top, ids = torch.topk(self.packed(y, self.weight, self.logit_bias).float(), self.top_k, dim=-1)
+            top, ids = torch.topk(linear(y, self.weight, self.logit_bias).float(), self.top_k, dim=-1)
             return ids, F.softmax(top, dim=-1)
         if self.fp32_logits:
             logits = F.linear(y.float(), self.weight.float())
         else:
-            logits = self.packed(y, self.weight).float()
+            logits = linear(y, self.weight).float()
         if self.scoring == "sigmoid":
             scores = logits.sigmoid()
             choice = scores + self.bias
