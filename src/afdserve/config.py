@@ -20,6 +20,14 @@ def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:
     return [bounds[i + 1] - bounds[i] for i in range(m)]
 
 
+def is_device_name(name: object) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:N`` (whether that device exists is checked where it is used)."""
+    if not isinstance(name, str):
+        return False
+    kind, _, index = name.partition(":")
+    return name == "cpu" or (kind == "cuda" and (name == "cuda" or index.isdigit()))
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model folder; None = the built-in demo model
@@ -38,6 +46,10 @@ class EngineConfig:
     prefix_cache_dir: str | None = None  # disk tier, kept across restarts (None: no disk tier)
     prefix_cache_disk_gb: float = 10.0  # bound of the disk tier
     compile: bool = False  # torch.compile the attention half of decode steps (AttentionModel.compile_decode)
+    # where weights, KV cache and step tensors live: "cpu", "cuda" or "cuda:N" (colocated engine and
+    # attention workers); expert workers use expert_device (None: the same as device)
+    device: str = "cpu"
+    expert_device: str | None = None
     seed: int = 0
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
     attention_workers: int = 1
@@ -85,6 +97,9 @@ class EngineConfig:
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
         check("compile", isinstance(self.compile, bool), "must be true or false")
+        check("device", is_device_name(self.device), "use 'cpu', 'cuda' or 'cuda:N'")
+        check("expert_device", self.expert_device is None or is_device_name(self.expert_device),
+              "use 'cpu', 'cuda' or 'cuda:N' (or leave it unset: the same as device)")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")
         check("comm_transport", self.comm_transport in ("auto", "shm", "tcp", "torch"), "use auto, shm, tcp or torch")
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,

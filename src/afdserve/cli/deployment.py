@@ -18,9 +18,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory per attention worker")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
-    c = p.add_argument_group("prefix cache")
-    c.add_argument("--compile", action="store_true",
+    g.add_argument("--compile", action="store_true",
                    help="torch.compile the attention half of decode steps (first compile ~10 s; off by default)")
+    g.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where the colocated engine and the attention workers keep weights, "
+                        "KV cache and step tensors")
+    g.add_argument("--expert-device", default=None,
+                   help="cpu, cuda or cuda:N for the expert workers (default: --device)")
+    c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="disable automatic prefix caching (reuse of the KV blocks of repeated prompt prefixes)")
     c.add_argument("--prefix-cache-host-gb", type=float, default=1.0, metavar="GB",
@@ -64,7 +69,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
-              compile=args.compile, enable_prefix_caching=not args.no_prefix_cache,
+              compile=args.compile, device=args.device, expert_device=args.expert_device,
+              enable_prefix_caching=not args.no_prefix_cache,
               prefix_cache_host_gb=args.prefix_cache_host_gb, prefix_cache_dir=args.prefix_cache_dir,
               prefix_cache_disk_gb=args.prefix_cache_disk_gb,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,

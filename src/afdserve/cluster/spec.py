@@ -12,6 +12,7 @@ Ray; placement keys (``resources``, ``labels``, ``num_cpus``, ``strategy``) only
     workers = 1
     num_cpus = 1                    # Ray CPUs reserved per worker
     threads = 1                     # torch threads per worker (default: the engine's num_threads)
+    device = "cpu"                  # cpu, cuda or cuda:N (default: the engine's device / expert_device)
     resources = { attention_node = 0.001 }   # Ray resources selecting the attention nodes
 
     [expert]
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from afdserve.config import is_device_name
 from afdserve.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -43,7 +45,7 @@ ROLES = ("attention", "expert")
 DEFAULT_RESOURCES = {"attention": {"attention_node": 0.001}, "expert": {"expert_node": 0.001}}
 _TOP_KEYS = {"micro_batches", "gate", "strategy", "comm_transport", "on_expert_loss", "placement_timeout_s", "plan",
              *ROLES}
-_ROLE_KEYS = {"workers", "num_cpus", "threads", "resources", "labels"}
+_ROLE_KEYS = {"workers", "num_cpus", "threads", "device", "resources", "labels"}
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RoleSpec:
     workers: int
     num_cpus: float = 1.0  # Ray CPUs per worker (the bundle's "CPU"); 0 reserves none
     threads: int | None = None  # torch threads per worker; None: the engine's num_threads
+    device: str | None = None  # cpu, cuda or cuda:N per worker; None: the engine's device (expert_device)
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (node group)
     labels: dict[str, str] = field(default_factory=dict)  # Ray node labels the worker's node must have
 
@@ -99,6 +102,8 @@ class DeploymentSpec:
                 raise bad(f"{role}.num_cpus", r.num_cpus, "must be a number >= 0")
             if r.threads is not None and (not is_int(r.threads) or r.threads < 1):
                 raise bad(f"{role}.threads", r.threads, "must be an integer >= 1")
+            if r.device is not None and not is_device_name(r.device):
+                raise bad(f"{role}.device", r.device, "use 'cpu', 'cuda' or 'cuda:N'")
             if not isinstance(r.resources, dict) or not all(
                     isinstance(k, str) and k and is_num(v) and v >= 0 for k, v in r.resources.items()):
                 raise bad(f"{role}.resources", r.resources, "must map resource names to amounts >= 0")
@@ -145,10 +150,13 @@ class DeploymentSpec:
         return getattr(self, name)
 
     def worker_config(self, role: str, cfg: Any) -> Any:
-        """The EngineConfig a worker of ``role`` runs with: this role's threads; the spec already
-        applied (workers on other machines need not have the file)."""
-        threads = self.role(role).threads
-        return replace(cfg, deployment=None, num_threads=threads if threads is not None else cfg.num_threads)
+        """The EngineConfig a worker of ``role`` runs with: this role's threads and device; the spec
+        already applied (workers on other machines need not have the file)."""
+        r = self.role(role)
+        cfg = replace(cfg, deployment=None, num_threads=r.threads if r.threads is not None else cfg.num_threads)
+        if r.device is None:
+            return cfg
+        return replace(cfg, device=r.device) if role == "attention" else replace(cfg, expert_device=r.device)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "DeploymentSpec":
@@ -178,6 +186,7 @@ class DeploymentSpec:
             if "workers" not in t:
                 raise ConfigError(f"{source}: [{role}] needs workers = N")
             roles[role] = RoleSpec(workers=t["workers"], num_cpus=t.get("num_cpus", 1.0), threads=t.get("threads"),
+                                   device=t.get("device"),
                                    resources=dict(t.get("resources", DEFAULT_RESOURCES[role])),
                                    labels=dict(t.get("labels", {})))
             if role == "expert":
@@ -205,6 +214,8 @@ class DeploymentSpec:
             lines += ["", f"[{role}]", f"workers = {_toml(r.workers)}", f"num_cpus = {_toml(r.num_cpus)}"]
             if r.threads is not None:
                 lines.append(f"threads = {_toml(r.threads)}")
+            if r.device is not None:
+                lines.append(f"device = {_toml(r.device)}")
             lines.append(f"resources = {_toml(r.resources)}")
             if r.labels:
                 lines.append(f"labels = {_toml(r.labels)}")

@@ -21,7 +21,7 @@ from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.cache import KVCache
 from afdserve.kvcache.prefix import PrefixCacheConfig, model_salt
 from afdserve.model.config import ModelConfig
-from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import AttentionModel, ExpertModel
 
 
@@ -81,13 +81,14 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
     dtype = parse_dtype(cfg.dtype)
-    model = AttentionModel.load(path, dtype, model_cfg, reader)
+    device = parse_device(cfg.device)
+    model = AttentionModel.load(path, dtype, model_cfg, reader).to(device)
     if cfg.compile:
         model.compile_decode()
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
     kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,
-                 model_cfg.kv_latent_dim)
+                 model_cfg.kv_latent_dim, device)
     return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len)
 
 
@@ -112,11 +113,15 @@ def build_engine(cfg: EngineConfig, side: AttentionSide, runner: Runner, eos_tok
 
 def build_colocated(cfg: EngineConfig) -> ColocatedClient:
     """The colocated deployment: attention and every expert in this process."""
+    if cfg.expert_device not in (None, cfg.device):
+        raise ConfigError(f"expert_device={cfg.expert_device!r}: the colocated engine runs its experts on "
+                          f"device={cfg.device!r} (expert_device is for expert workers)")
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_pretrained(path)
     reader = CheckpointReader(path)
     side = load_attention_side(cfg, path, model_cfg, reader)
-    experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader), cfg.load_window)
+    experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader).to(cfg.device),
+                           cfg.load_window)
     tok = front_end_tokenizer(cfg, path, model_cfg)
     grammars = XGrammars(tok.tokenizer, model_cfg.vocab_size, tok.eos_token_ids)  # xgrammar loads on first use
     engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids,

@@ -31,12 +31,13 @@ class LocalExperts:
     def __init__(self, experts: ExpertModel, load_window: int):
         cfg = experts.cfg
         self.experts = experts
-        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64)
-        self.tracker = LoadTracker(cfg.num_layers, cfg.num_experts, load_window)
+        device = experts.device
+        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=device)
+        self.tracker = LoadTracker(cfg.num_layers, cfg.num_experts, load_window, device=device)
 
     def __call__(self, layer: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n = self.counts.shape[1]
-        self.counts[layer] += torch.bincount(ids.reshape(-1), minlength=n)[:n]
+        flat = ids.reshape(-1)  # index_add_, not bincount: no read back to the host on a GPU
+        self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
         self.tracker.record(layer, ids)
         return self.experts.layers[layer](y, ids, w)
 
@@ -52,6 +53,8 @@ class ModelRunner:
         m = self.model
         if self.tracker is not None:
             self.tracker.step()
+        dev = m.device
+        input_ids, meta, rows = input_ids.to(dev), meta.to(dev, m.windows), rows.to(dev)
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):

@@ -84,7 +84,7 @@ def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     params, (num_rows, vocab) = inp.params, logits.shape
     out = logits
     if inp.allowed is not None:
-        out = out.masked_fill(~inp.allowed, float("-inf"))
+        out = out.masked_fill(~inp.allowed.to(out.device), float("-inf"))
     for i, p in enumerate(params):
         # a grammar decides when a constrained row may end (its mask then allows only EOS)
         if p.min_tokens and len(inp.output_ids[i]) < p.min_tokens and p.structured_outputs is None:
@@ -94,25 +94,25 @@ def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
                 out[i, stops] = float("-inf")
         if p.logit_bias:
             out = out.clone() if out is logits else out
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype)
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=out.device)
+            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
     rep = [p.repetition_penalty for p in params]
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
     if any(r != 1.0 for r in rep) or any(freq) or any(pres):
-        counts = _counts(inp.output_ids, num_rows, vocab)
+        counts = _counts(inp.output_ids, num_rows, vocab, out.device)
         out = out.clone() if out is logits else out
         if any(r != 1.0 for r in rep):
-            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab).bool()
-            r = torch.tensor(rep, dtype=out.dtype)[:, None].expand_as(out)
+            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab, out.device).bool()
+            r = torch.tensor(rep, dtype=out.dtype, device=out.device)[:, None].expand_as(out)
             penalized = torch.where(out > 0, out / r, out * r)
             out = torch.where(seen, penalized, out)
-        out -= torch.tensor(freq, dtype=out.dtype)[:, None] * counts
-        out -= torch.tensor(pres, dtype=out.dtype)[:, None] * (counts > 0)
+        out -= torch.tensor(freq, dtype=out.dtype, device=out.device)[:, None] * counts
+        out -= torch.tensor(pres, dtype=out.dtype, device=out.device)[:, None] * (counts > 0)
     return out
 
 
-def _counts(ids: list[list[int]], rows: int, vocab: int) -> torch.Tensor:
+def _counts(ids: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab] float32: how often each token occurs in each row's ids."""
     counts = torch.zeros(rows, vocab, dtype=torch.float32)
     lens = [len(x) for x in ids]
@@ -120,23 +120,24 @@ def _counts(ids: list[list[int]], rows: int, vocab: int) -> torch.Tensor:
         flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
         row = torch.repeat_interleave(torch.arange(rows), torch.tensor(lens))
         counts.index_put_((row, flat), torch.ones(len(flat)), accumulate=True)
-    return counts
+    return counts.to(device)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits`` [R, V] (none of them greedy)."""
-    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    dev = logits.device
+    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
     if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=-1)
         cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < cut, float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < logits.shape[1] else logits.shape[1] for p in params]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
     if min(top_k) < logits.shape[1] or bool((top_p < 1).any()):
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        pos = torch.arange(logits.shape[1])[None, :]
-        sorted_logits = sorted_logits.masked_fill(pos >= torch.tensor(top_k)[:, None], float("-inf"))
+        pos = torch.arange(logits.shape[1], device=dev)[None, :]
+        sorted_logits = sorted_logits.masked_fill(pos >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
         sorted_p = torch.softmax(sorted_logits, dim=-1)
         drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -146,6 +147,9 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.G
     seeded = [i for i, g in enumerate(gens) if g is not None]
     if len(seeded) < len(gens):
         noise.exponential_()
-    for i in seeded:
-        noise[i].exponential_(generator=gens[i])
+    for i in seeded:  # a request's generator lives on the CPU: its draws do not depend on the device
+        if noise.device.type == "cpu":
+            noise[i].exponential_(generator=gens[i])
+        else:
+            noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=gens[i]))
     return torch.argmax(probs / noise, dim=-1)

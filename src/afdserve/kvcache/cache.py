@@ -17,17 +17,17 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, latent_dim: int = 0):
+                 dtype: torch.dtype, latent_dim: int = 0, device: torch.device | str = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.lat: torch.Tensor | None = None
         if latent_dim:
-            self.lat = torch.zeros((num_layers, num_blocks * block_size, latent_dim), dtype=dtype)
+            self.lat = torch.zeros((num_layers, num_blocks * block_size, latent_dim), dtype=dtype, device=device)
         else:
             shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-            self.k = torch.zeros(shape, dtype=dtype)
-            self.v = torch.zeros(shape, dtype=dtype)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def is_latent(self) -> bool:

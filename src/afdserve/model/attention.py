@@ -70,6 +70,19 @@ class AttnMetadata:
             self._decode_kv[window] = (slots, mask)
         return self._decode_kv[window]
 
+    def to(self, device: torch.device, windows: tuple[int, ...] = (0,)) -> "AttnMetadata":
+        """This metadata with its tensors on ``device`` (itself on the CPU). The decode keys of
+        ``windows`` are prepared here first, so no step reads anything back from the device."""
+        if device.type == "cpu":
+            return self
+        if self.decode_seqs is not None:
+            for w in windows:
+                self.decode_kv(w)
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return AttnMetadata(move(self.positions), move(self.slot_mapping), self.query_lens, self.kv_lens,
+                            [move(s) for s in self.kv_slots], move(self.decode_rows), move(self.decode_seqs),
+                            {w: (move(a), move(b)) for w, (a, b) in self._decode_kv.items()})
+
     @property
     def is_decode(self) -> bool:
         """Every sequence of the batch has one new token."""
@@ -84,15 +97,16 @@ class AttnMetadata:
         return self.decode_kv(0)[1]
 
 
-def prefill_keys(kv_len: int, qlen: int, window: int) -> tuple[int, torch.Tensor | None]:
+def prefill_keys(kv_len: int, qlen: int, window: int,
+                 device: torch.device | str = "cpu") -> tuple[int, torch.Tensor | None]:
     """The first context position a piece of ``qlen`` new tokens (the last of ``kv_len``) attends
     to through ``window`` (0: all), and its mask [qlen, kv_len - first] (None: plain causal)."""
     p0 = kv_len - qlen  # position of the first new token
     first = max(0, p0 - window + 1) if window else 0
     if first == 0 and qlen == kv_len and (not window or window >= kv_len):
         return 0, None
-    qpos = torch.arange(p0, kv_len)[:, None]
-    kpos = torch.arange(first, kv_len)[None, :]
+    qpos = torch.arange(p0, kv_len, device=device)[:, None]
+    kpos = torch.arange(first, kv_len, device=device)[None, :]
     mask = kpos <= qpos
     if window:
         mask &= kpos > qpos - window
@@ -166,9 +180,9 @@ class AttentionPart(nn.Module):
                                                   scale=self.scale, enable_gqa=gqa)
         b, hq, lq, _ = q.shape
         if mask is None:
-            mask = torch.ones(lq, keys.shape[2], dtype=torch.bool).tril()
+            mask = torch.ones(lq, keys.shape[2], dtype=torch.bool, device=q.device).tril()
         # the sink: one more key (zero, so its logit is the bias sinks[head]) with a zero value
-        bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         bias = torch.cat([bias.expand(b, hq, lq, -1),
                           self.sinks.to(q.dtype).view(1, hq, -1, 1).expand(b, hq, lq, 1)], dim=-1)
         zero = keys.new_zeros(b, keys.shape[1], 1, keys.shape[3])
@@ -185,7 +199,7 @@ class AttentionPart(nn.Module):
             if qlen == 1:
                 start += 1
                 continue
-            first, mask = prefill_keys(slots.shape[0], qlen, self.window)
+            first, mask = prefill_keys(slots.shape[0], qlen, self.window, q.device)
             qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, nh, q, hd]
             keys = k_cache[slots[first:]].transpose(0, 1)[None]
             vals = v_cache[slots[first:]].transpose(0, 1)[None]

@@ -136,7 +136,7 @@ class ExpertPart(nn.Module):
         [H, n*I]), which also sums over the experts."""
         t, n = y.shape[0], len(self.expert_ids)
         local = self.local_index[topk_ids]  # [T, k]; -1 for experts held elsewhere: column n, dropped
-        weights = torch.zeros(t, n + 1, dtype=torch.float32)
+        weights = torch.zeros(t, n + 1, dtype=torch.float32, device=y.device)
         weights.scatter_add_(1, torch.where(local >= 0, local, n), topk_weights.float())
         weights = weights[:, :n]
         b_gu = None if self.b_gate_up is None else self.b_gate_up.reshape(-1)

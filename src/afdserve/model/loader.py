@@ -28,6 +28,21 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def parse_device(name: str | torch.device) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``, checked against what this process's torch sees."""
+    dev = torch.device(name)
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ModelError(f"unsupported device {str(name)!r}; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ModelError(f"device {str(name)!r}: this torch ({torch.__version__}) sees no CUDA device")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ModelError(f"device {str(name)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return torch.device("cuda", index)
+
+
 class CheckpointReader:
     """Name -> tensor access over one or many safetensors files, with a byte counter."""
 

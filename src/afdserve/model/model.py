@@ -59,6 +59,15 @@ class AttentionModel(nn.Module):
         self._compiled = None  # compile_decode
         self.requires_grad_(False)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct key windows of the layers (0: all keys): what ``AttnMetadata.to`` prepares."""
+        return tuple(sorted({getattr(a, "window", 0) for a in self.attn}))
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
 
@@ -206,6 +215,10 @@ class ExpertModel(nn.Module):
         self.layers = nn.ModuleList(ExpertPart(cfg, ids if cfg.is_moe(l) else [], dtype)
                                     for l, ids in enumerate(expert_ids))
         self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].local_index.device
 
     @classmethod
     def load(cls, path: str | Path, expert_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,

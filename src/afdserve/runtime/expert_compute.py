@@ -26,23 +26,25 @@ class ExpertCompute:
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:
         """``parts``: per sender, [y] (expert gate) or [y, ids, weights] (attention gate).
         Returns per sender the partial sums [n_i, H]."""
+        dev = self.experts.device  # the messages are in host memory (the M2N slots)
         sizes = [p[0].shape[0] for p in parts]
-        y = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        y = (torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]).to(dev)
         n_exp = self.experts.cfg.num_experts
         if len(parts[0]) == 1:
             if self.routers is None:
                 raise RuntimeError("expert-side gate requested but this worker has no router weights")
             # Route each sender's micro-batch on its own: every expert worker received exactly that
             # batch, so all of them compute the same assignment whatever else they merged with it.
-            routed = [self.routers[layer](p[0]) for p in parts]
-            mine = [self.maps[version].route(layer, i) == self.worker for i, _ in routed]
-            ids = torch.cat([torch.where(m, i, n_exp) for (i, _), m in zip(routed, mine)])
+            routed = [self.routers[layer](p[0].to(dev)) for p in parts]
+            ids_host = [i.cpu() for i, _ in routed]  # the expert map routes on the host
+            mine = [self.maps[version].route(layer, i) == self.worker for i in ids_host]
+            ids = torch.cat([torch.where(m, i, n_exp) for i, m in zip(ids_host, mine)])
             w = torch.cat([w for _, w in routed])
             if self.tracker is not None:
-                self.tracker.record(layer, torch.cat([i for i, _ in routed]))
+                self.tracker.record(layer, torch.cat(ids_host))
         else:
             ids = torch.cat([p[1] for p in parts]).to(torch.int64) if len(parts) > 1 else parts[0][1].to(torch.int64)
-            w = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+            w = (torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]).to(dev)
         self.tokens_per_expert[layer] += torch.bincount(ids.reshape(-1), minlength=n_exp + 1)
-        out = self.experts.layers[layer](y, ids, w)
+        out = self.experts.layers[layer](y, ids.to(dev), w)
         return list(out.split(sizes))

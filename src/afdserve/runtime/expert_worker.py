@@ -11,7 +11,7 @@ import torch
 
 from afdserve.balance.load import LoadTracker
 from afdserve.model.config import ModelConfig
-from afdserve.model.loader import CheckpointReader, parse_dtype
+from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, regroup_experts
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.expert_compute import ExpertCompute
@@ -31,9 +31,12 @@ class ExpertWorker:
         model_cfg = ModelConfig.from_pretrained(path)
         dtype = parse_dtype(cfg.dtype)
         reader = CheckpointReader(path)
-        experts = ExpertModel.load(path, spec.expert_map.experts_of(spec.index), dtype, model_cfg, reader)
+        self.device = parse_device(cfg.expert_device or cfg.device)
+        held = spec.expert_map.experts_of(spec.index)
+        experts = ExpertModel.load(path, held, dtype, model_cfg, reader).to(self.device)
         # JANUS: with the expert-side gate every expert worker computes the same routing
-        routers = load_routers(reader, model_cfg, dtype) if cfg.gate == "expert" else None
+        routers = {layer: r.to(self.device) for layer, r in load_routers(reader, model_cfg, dtype).items()} \
+            if cfg.gate == "expert" else None
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
@@ -86,7 +89,8 @@ class ExpertWorker:
                                                   self.links.transports() if self.links is not None else {})))
         elif isinstance(msg, Regroup):  # membership changed: new links, same experts unless the map changed
             if msg.expert_map is not None:  # the expert pool was resized: hold this worker's share of the new map
-                c.experts = regroup_experts(c.experts, msg.expert_map.experts_of(self.spec.index), self.reader)
+                held = msg.expert_map.experts_of(self.spec.index)
+                c.experts = regroup_experts(c.experts, held, self.reader).to(self.device)
                 c.maps = {msg.map_version: msg.expert_map}
             self.peers = [worker_name("attention", i) for i in range(msg.attention_workers)]
             self.links = regroup(self.links, self.spec, self.peers, msg, ctl)
@@ -94,12 +98,12 @@ class ExpertWorker:
         elif isinstance(msg, PrepareMap):  # hold the union of the current and the new map's experts
             cur = [set(p.expert_ids) for p in c.experts.layers]
             union = [sorted(a | set(b)) for a, b in zip(cur, msg.expert_map.experts_of(self.spec.index))]
-            c.experts = regroup_experts(c.experts, union, self.reader)
+            c.experts = regroup_experts(c.experts, union, self.reader).to(self.device)
             c.maps[msg.version] = msg.expert_map
             ctl.send(Ack(name, msg.version))
         elif isinstance(msg, CommitMap):  # every attention worker uses the new map: drop what it doesn't need
             keep = c.maps[msg.version]
-            c.experts = regroup_experts(c.experts, keep.experts_of(self.spec.index), self.reader)
+            c.experts = regroup_experts(c.experts, keep.experts_of(self.spec.index), self.reader).to(self.device)
             c.maps = {msg.version: keep}
             ctl.send(Ack(name, msg.version))
         else:

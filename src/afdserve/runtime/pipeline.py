@@ -17,7 +17,7 @@ from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links
-from afdserve.runtime.microbatch import rows_in, split
+from afdserve.runtime.microbatch import MicroBatch, rows_in, split
 from afdserve.runtime.trace import Tracer
 
 GATE_ATTENTION, GATE_EXPERT = 0, 1
@@ -64,7 +64,9 @@ class PipelinedRunner:
         self.step_no += 1
         if self.tracker is not None:
             self.tracker.step()
-        mbs = split(meta, self.m)
+        dev = m.device
+        input_ids, rows = input_ids.to(dev), rows.to(dev)
+        mbs = [MicroBatch(mb.rows, mb.meta.to(dev, m.windows)) for mb in split(meta, self.m)]
         x = [m.embed_tokens(input_ids[mb.rows]) for mb in mbs]
         cos_sin = [m.rotary.cos_sin(mb.meta.positions, m.dtype) for mb in mbs]
         flight: list[InFlight | None] = [None] * len(mbs)
@@ -98,6 +100,7 @@ class PipelinedRunner:
                     parts.append((j, None))
                 self.tokens_per_worker += y.shape[0]
                 return InFlight(h, y, parts)
+            ids, w = ids.cpu(), w.cpu()  # routing and the messages' sizes are decided on the host
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
             lost = self.lost[layer][ids] if self.lost is not None else None
@@ -113,11 +116,12 @@ class PipelinedRunner:
                 owner = self.map.route(layer, ids)
             for j in range(self.map.num_workers):
                 mine = owner == j
-                tokens = mine.any(dim=1).nonzero().squeeze(1)
-                if tokens.numel() == 0:
+                rows = mine.any(dim=1).nonzero().squeeze(1)
+                if rows.numel() == 0:
                     continue  # nothing for this worker: no message, no wait
-                sub_ids = torch.where(mine[tokens], ids[tokens], n_exp).to(torch.int32)
-                self.links.send(j, [y[tokens], sub_ids, w[tokens]], (self.step_no, mb, layer, self.version))
+                sub_ids = torch.where(mine[rows], ids[rows], n_exp).to(torch.int32)
+                tokens = rows.to(y.device)
+                self.links.send(j, [y[tokens], sub_ids, w[rows]], (self.step_no, mb, layer, self.version))
                 self.tokens_per_worker[j] += tokens.numel()
                 parts.append((j, tokens))
         return InFlight(h, y, parts)
@@ -139,7 +143,7 @@ class PipelinedRunner:
                                    f"{msg.meta.microbatch} layer {msg.meta.layer}, expected ({self.step_no}, {mb}, "
                                    f"{layer})")
             try:
-                part = msg.tensors[0]
+                part = msg.tensors[0].to(routed.device)
                 if tokens is None:
                     routed += part
                 else:

@@ -1,0 +1,66 @@
+"""``device`` / ``expert_device``: names checked up front, a missing CUDA device refused with a clear
+error before anything loads, the CPU path running through the same device-moving code (metadata,
+KV cache, sampling) token-identical to transformers, per-role devices in deployment specs."""
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams
+from afdserve.cluster.spec import DeploymentSpec
+from afdserve.config import EngineConfig
+from afdserve.errors import ConfigError, ModelError
+from afdserve.model.attention import AttnMetadata
+from afdserve.model.loader import parse_device
+
+from tiny_models import hf_greedy
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", "cuda:-1", "tpu", "", 0])
+def test_bad_device_names_are_refused_naming_the_option(name):
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig(device=name)
+    with pytest.raises(ConfigError, match="expert_device"):
+        EngineConfig(expert_device=name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_mixtral):
+    with pytest.raises(ModelError, match="sees no CUDA device"):
+        parse_device("cuda:0")
+    with pytest.raises(ModelError, match="sees no CUDA device"):
+        LLM(str(tiny_mixtral), device="cuda", num_kv_blocks=64)
+
+
+def test_colocated_engine_refuses_a_separate_expert_device(tiny_mixtral):
+    with pytest.raises(ConfigError, match="expert_device"):
+        LLM(str(tiny_mixtral), device="cpu", expert_device="cuda:1", num_kv_blocks=64)
+
+
+def test_metadata_moves_with_its_decode_keys_prepared():
+    slots = [torch.arange(5), torch.arange(16, 19)]
+    meta = AttnMetadata.build([1, 1], slots)
+    assert meta.to(torch.device("cpu")) is meta  # nothing to move
+    moved = meta.to(torch.device("meta"), windows=(0, 2))  # a device without data: only placement is checked
+    assert moved.positions.device.type == "meta" and all(s.device.type == "meta" for s in moved.kv_slots)
+    assert set(moved._decode_kv) == {0, 2}  # prepared on the host: no read-back from the device per layer
+    assert all(t.device.type == "meta" for pair in moved._decode_kv.values() for t in pair)
+
+
+def test_explicit_cpu_device_is_token_identical_to_transformers(tiny_mixtral):
+    prompts = [[5, 9, 13], list(range(3, 20))]
+    want = hf_greedy(tiny_mixtral, prompts, 12)
+    with LLM(str(tiny_mixtral), device="cpu", num_kv_blocks=32) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_deployment_spec_sets_each_roles_device():
+    spec = DeploymentSpec.from_dict({"attention": {"workers": 1, "device": "cuda:0"},
+                                     "expert": {"workers": 2, "device": "cuda:1"}})
+    cfg = EngineConfig(expert_workers=2)
+    assert spec.worker_config("attention", cfg).device == "cuda:0"
+    assert spec.worker_config("expert", cfg).expert_device == "cuda:1"
+    assert spec.worker_config("expert", cfg).device == "cpu"
+    assert 'device = "cuda:1"' in spec.to_toml()
+    with pytest.raises(ConfigError, match="expert.device"):
+        DeploymentSpec.from_dict({"attention": {"workers": 1}, "expert": {"workers": 1, "device": "gpu"}})
