@@ -1,0 +1,77 @@
+"""Where a disaggregated decode step's time goes (1 attention + 1 expert worker, m micro-batches).
+
+Runs the deployment with ``--trace`` on the demo model (bf16, random token-id prompts, greedy, EOS
+ignored), one warm-up and one traced generate per batch size, then splits each pure decode step of
+the attention worker into the layers' attention, LM head, combines, sends, waits and the rest
+(scheduling, metadata, sampling, outputs), and the expert worker's into compute and idle, with the
+idle time at the step boundary apart (``afdserve.runtime.trace_steps``). Medians over the steps.
+
+    python benchmarks/step_trace.py [--batches 64,256] [--threads 1] [--micro-batches 2] [--compile]
+                                    [--json out/step_trace.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+
+import torch
+
+from afdserve import LLM, SamplingParams
+from afdserve.model.demo import demo_model_path
+from afdserve.runtime.trace_plot import load
+from afdserve.runtime.trace_steps import breakdown
+
+COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "LM head"),
+           ("engine_ms", "engine"), ("between_steps_ms", "between"), ("wait_ms", "attn wait"),
+           ("expert_busy_ms", "expert busy"), ("expert_idle_ms", "expert idle"),
+           ("expert_boundary_idle_ms", "of it at boundary")]
+
+
+def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
+    path = os.path.join(tempfile.mkdtemp(prefix="afdserve-step-trace-"), "trace.json")
+    rng = random.Random(batch)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]} for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm = LLM(args.model or str(demo_model_path()), dtype="bfloat16", num_threads=args.threads, max_num_seqs=batch,
+              max_num_batched_tokens=max(2048, batch * args.prompt_len), max_model_len=args.prompt_len + new_tokens + 1,
+              expert_workers=1, micro_batches=args.micro_batches, compile=args.compile, trace=path)
+    try:
+        llm.generate(prompts, params)  # warm-up (and compilation)
+        llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    b = breakdown(load(path), "attention0", "expert0", batch)
+    return {"batch": batch, "new_tokens": new_tokens, **b.to_json(), "tok_per_s_from_steps": round(batch / b.step_ms * 1e3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the demo model)")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the front end only detokenizes
+    rows = [run(int(b), args.new_tokens, args) for b in args.batches.split(",")]
+    print(f"1 attention + 1 expert worker, m={args.micro_batches}, {args.threads} thread(s) each, bf16"
+          f"{', compiled' if args.compile else ''}: median ms per decode step")
+    print(f"{'batch':>6} " + " ".join(f"{title:>17}" for _, title in COLUMNS))
+    for r in rows:
+        print(f"{r['batch']:>6} " + " ".join(f"{r[k]:>17.2f}" for k, _ in COLUMNS))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "step_trace", "micro_batches": args.micro_batches, "threads": args.threads,
+                       "compile": args.compile, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
