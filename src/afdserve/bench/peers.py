@@ -43,21 +43,24 @@ class EngineSpec:
 
 
 def afdserve_specs(model: str, cores: int, max_batch: int, max_len: int, dtype: str = "bfloat16",
-                   disaggregated: bool = True, compiled: bool = False) -> list[EngineSpec]:
+                   disaggregated: bool = True, compiled: bool = False, glibc_malloc: bool = False) -> list[EngineSpec]:
     """afdserve colocated (``cores`` threads) and 1 attention + 1 expert worker with 2 micro-batches
     (``cores // 2`` threads per worker, so the two workers use the same cores); ``compiled``: both
-    with ``compile=True``, named with a ``+compile`` suffix."""
+    with ``compile=True``, named with a ``+compile`` suffix; ``glibc_malloc``: with glibc's default
+    trim threshold in the environment, so the engines keep glibc's settings
+    (``afdserve.engine.host_memory``), named with a ``glibc-malloc`` suffix."""
     src = str(DRIVER.parents[2])  # this afdserve, in the driver too
     path = os.pathsep.join(dict.fromkeys(p for p in (src, *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p))
     worker = max(1, cores // 2)
-    tag = " +compile" if compiled else ""
+    tag = (" +compile" if compiled else "") + (" glibc-malloc" if glibc_malloc else "")
+    malloc = {"MALLOC_TRIM_THRESHOLD_": "131072"} if glibc_malloc else {}  # glibc's default
     specs = [EngineSpec("afdserve" + tag, Load("afdserve", model, dtype, cores, max_batch, max_len, compile=compiled),
-                        env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(cores)})]
+                        env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(cores), **malloc})]
     if disaggregated:
         specs.append(EngineSpec("afdserve 1a+1e m2" + tag,
                                 Load("afdserve", model, dtype, worker, max_batch, max_len, expert_workers=1,
                                      micro_batches=2, compile=compiled),
-                                env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(worker)}))
+                                env={"PYTHONPATH": path, "OMP_NUM_THREADS": str(worker), **malloc}))
     return specs
 
 

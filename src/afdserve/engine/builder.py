@@ -12,6 +12,7 @@ import torch
 from afdserve.config import EngineConfig
 from afdserve.engine.colocated import ColocatedClient
 from afdserve.engine.engine import Engine, Grammars
+from afdserve.engine.host_memory import keep_freed_memory
 from afdserve.engine.runner import LocalExperts, ModelRunner, Runner
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.structured_output import XGrammars
@@ -79,6 +80,7 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
                         reader: CheckpointReader) -> AttentionSide:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    keep_freed_memory()
     torch.manual_seed(cfg.seed)
     dtype = parse_dtype(cfg.dtype)
     device = parse_device(cfg.device)

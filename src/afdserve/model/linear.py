@@ -72,7 +72,9 @@ def _layout(w: torch.Tensor, layout: int) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, layout: int = PLAIN) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` the ``layout`` of ``w`` (``PLAIN``: ``w`` itself)."""
     if packs(x, w):
-        return torch.ops.afdserve.packed_linear(x, w, bias, layout)
+        if torch.compiler.is_compiling():  # the op, opaque to the compiler
+            return torch.ops.afdserve.packed_linear(x, w, bias, layout)
+        return _packed_linear(x, w, bias, layout)  # eager: without the op's dispatch (~13 us a call)
     return F.linear(x, _layout(w, layout), bias)
 
 
@@ -96,10 +98,14 @@ def _packed_weight(w: torch.Tensor, layout: int) -> torch.Tensor:
     return packed
 
 
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(w, layout), bias, "none", [], "")
+
+
 @torch.library.custom_op("afdserve::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
     """oneDNN's linear over the packed copy of ``w`` (see the module)."""
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(w, layout), bias, "none", [], "")
+    return _packed_linear(x, w, bias, layout)
 
 
 @packed_linear.register_fake

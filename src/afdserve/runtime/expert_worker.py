@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from afdserve.balance.load import LoadTracker
+from afdserve.engine.host_memory import keep_freed_memory
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, regroup_experts
@@ -26,6 +27,7 @@ class ExpertWorker:
         self.spec = spec
         cfg = spec.config
         torch.set_num_threads(cfg.num_threads or 1)
+        keep_freed_memory()
         self.tracer = Tracer(spec.name, spec.trace)
         path = Path(spec.model_path)
         model_cfg = ModelConfig.from_pretrained(path)
