@@ -37,7 +37,7 @@ PATHS = ("grouped", "packed", "dense")
 
 def _set_path(path: str) -> None:
     os.environ["AFDSERVE_PACKED_WEIGHTS"] = "0" if path == "grouped" else "1"
-    linear.reset_packing()
+    linear.reset_packing(keep_packed=True)  # switching paths must not repack the weights
     experts_mod.DENSE_TOKENS_PER_THREAD = 1 << 30 if path == "dense" else 0
 
 

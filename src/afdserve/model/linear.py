@@ -49,11 +49,12 @@ def packing_available() -> bool:
     return _available
 
 
-def reset_packing() -> None:
-    """Reads ``AFDSERVE_PACKED_WEIGHTS`` again and drops every packed copy."""
+def reset_packing(keep_packed: bool = False) -> None:
+    """Reads ``AFDSERVE_PACKED_WEIGHTS`` again; drops every packed copy unless ``keep_packed``."""
     global _available
     _available = None
-    _packed.clear()
+    if not keep_packed:
+        _packed.clear()
 
 
 def packs(x: torch.Tensor, w: torch.Tensor) -> bool:
