@@ -50,11 +50,12 @@ def test_packed_copies_follow_the_weight():
         w.copy_(torch.randn(32, 16))  # in place: the version counter moves
         assert torch.equal(packed_linear(x, w), F.linear(x, w))
         assert not torch.equal(packed_linear(x, w), first)
-        frozen = torch.randn(32, 16).to(torch.bfloat16)  # an inference tensor: no version counter
-        packed_linear(x, frozen)
-        frozen.copy_(torch.randn(32, 16))
+        frozen = torch.randn(3, 32, 16).to(torch.bfloat16)  # an inference tensor: no version counter
+        packed_linear(x, frozen[0]), packed_linear(x, frozen[2])  # views into it are packed too
+        frozen.copy_(torch.randn(3, 32, 16))
         linear.forget(frozen)  # so whoever changes it says so
-        assert torch.equal(packed_linear(x, frozen), F.linear(x, frozen))
+        assert torch.equal(packed_linear(x, frozen[0]), F.linear(x, frozen[0]))
+        assert torch.equal(packed_linear(x, frozen[2]), F.linear(x, frozen[2]))
         stacked = torch.randn(3, 8, 16).to(torch.bfloat16)
         assert torch.equal(packed_linear(x, stacked, None, STACKED), F.linear(x, stacked.reshape(24, 16)))
     ptr = w.data_ptr()

@@ -80,10 +80,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, l
 
 
 def forget(w: torch.Tensor) -> None:
-    """Drops the packed copies of ``w`` (whatever layout): call after changing an inference tensor
-    in place."""
-    ptr = w.data_ptr()
-    for key in [k for k in _packed if k[0] == ptr]:
+    """Drops the packed copies of ``w`` and of views into it (whatever layout): call after
+    changing an inference tensor in place."""
+    lo = w.data_ptr()
+    hi = lo + w.numel() * w.element_size()
+    for key in [k for k in _packed if lo <= k[0] < hi]:
         del _packed[key]
 
 
