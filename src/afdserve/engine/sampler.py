@@ -51,8 +51,8 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[T
 
 def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` of a [S, V] tensor, the same indices (the first maximum, NaN
-    counting as the maximum), about 10x faster on CPU for a vocabulary-sized V: ``argmax`` over the
-    last dimension runs scalar code there, ``amax`` is vectorized. The row's best chunk of ``chunk``
+    counting as the maximum), faster on CPU for a vocabulary-sized V: ``argmax`` over the last
+    dimension runs scalar code there, ``amax`` is vectorized. The row's best chunk of ``chunk``
     columns is found by ``amax``, then the argmax within it."""
     s, v = x.shape
     n = v // chunk

@@ -1,16 +1,16 @@
 """Linear projections with weights prepacked for the CPU's GEMM library.
 
-On a CPU with bf16 GEMM support, oneDNN runs a weight reordered once into its blocked layout up to
-twice as fast as ``F.linear`` for the few-row products of decoding (``benchmarks/linear_kernels.py``),
-and gives the same bits. ``linear`` keeps that reordered copy of each weight it sees (keyed by the
-weight's storage, shape and strides, for as long as the weight's base tensor lives) and makes it
-again when the weight changes in place (its version counter moves: a load, ``copy_``; an inference
+On a CPU with bf16 GEMM support, oneDNN runs a weight reordered once into its blocked layout faster
+than ``F.linear`` for the few-row products of decoding (``benchmarks/linear_kernels.py``), and gives
+the same bits (``tests/test_packed_weights.py``). ``linear`` keeps that reordered copy of each
+weight it sees (keyed by the weight's storage, shape and strides, for as long as the weight's base
+tensor lives) and makes it again when the weight changes in place (its version counter moves: a load, ``copy_``; an inference
 tensor has no version counter, so whoever changes one in place calls ``forget``). It is a custom op
 (``afdserve::packed_linear``), so ``torch.compile`` graphs call it as it is.
 
 Everywhere else (CUDA, float32, no oneDNN, ``AFDSERVE_PACKED_WEIGHTS=0``) it is ``F.linear``.
-Float32 stays on ``F.linear`` because the packed kernel rounds differently there (~1e-5), which
-would break token identity with transformers.
+Float32 stays on ``F.linear`` because the packed kernel rounds differently there, which would break
+token identity with transformers.
 
 The packed copy doubles the memory of the weights that use it (the expert layer's dense path, see
 ``ExpertPart``, keeps one more).
@@ -75,7 +75,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, l
     if packs(x, w):
         if torch.compiler.is_compiling():  # the op, opaque to the compiler
             return torch.ops.afdserve.packed_linear(x, w, bias, layout)
-        return _packed_linear(x, w, bias, layout)  # eager: without the op's dispatch (~13 us a call)
+        return _packed_linear(x, w, bias, layout)  # eager: without the custom op's Python dispatch
     return F.linear(x, _layout(w, layout), bias)
 
 

@@ -54,6 +54,8 @@ class AttentionModel(nn.Module):
                                    for l in cfg.dense_layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        # the distinct key windows of the layers (0: all keys): what ``AttnMetadata.to`` prepares
+        self.windows = tuple(sorted({getattr(a, "window", 0) for a in self.attn}))
         self.rotary = Rope.from_config({"rope_theta": cfg.rope_theta, **cfg.extra}, cfg.head_dim,
                                        cfg.max_position_embeddings)
         self._compiled = None  # compile_decode
@@ -62,11 +64,6 @@ class AttentionModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
-
-    @property
-    def windows(self) -> tuple[int, ...]:
-        """The distinct key windows of the layers (0: all keys): what ``AttnMetadata.to`` prepares."""
-        return tuple(sorted({getattr(a, "window", 0) for a in self.attn}))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
