@@ -23,3 +23,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
   echo "afdserve: installed."
 fi
+# the C++ CPU kernels of this machine (built once into ~/.cache/afdserve/kernels; without a compiler
+# afdserve runs its PyTorch paths)
+.venv/bin/python -m afdserve.kernels

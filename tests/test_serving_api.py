@@ -214,7 +214,7 @@ def test_non_streaming_disconnect_aborts(url):
     before = scrape(url).get('afdserve_request_finish_total{reason=abort}', 0)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))  # 500 tokens take longer
     m = _wait_idle(url, timeout=2.0)
     assert m['afdserve_request_finish_total{reason=abort}'] == before + 1
 

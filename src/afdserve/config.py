@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from afdserve.errors import ConfigError
 
 
 MAX_POOL_WORKERS = 64  # workers per pool (attention, expert) that a deployment or a resize may ask for
+
+
+def cache_root() -> Path:
+    """Where afdserve keeps what it builds once per machine (the demo model, the compiled kernels):
+    ``$AFDSERVE_CACHE``, default ``~/.cache/afdserve``."""
+    env = os.environ.get("AFDSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "afdserve"
 
 
 def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:

@@ -113,12 +113,13 @@ class Engine:
             self.last_step = StepStats()
             return []
         input_ids: list[int] = []
-        kv_slots, qlens, rows, sampled, prompt_rows, partial = [], [], [], [], [], []
+        tables, kv_lens, qlens, rows, sampled, prompt_rows, partial = [], [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start, total = seq.num_computed, seq.num_computed + n
             first_row = len(input_ids)
             input_ids.extend(seq.tokens(start, total))
-            kv_slots.append(self.blocks.slots(seq.seq_id, total))
+            tables.append(self.blocks.block_table(seq.seq_id))
+            kv_lens.append(total)
             qlens.append(n)
             if seq.params.prompt_logprobs is not None:  # row r predicts prompt token r + 1
                 done = len(seq.prompt_logprobs)  # positions already computed (before a preemption)
@@ -129,7 +130,7 @@ class Engine:
             else:  # a chunk of a longer prefill: reported as progress
                 partial.append(seq)
         rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
-        meta = AttnMetadata.build(qlens, kv_slots)
+        meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, self.blocks.block_size)
         order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
         logits = self.runner.forward(torch.tensor(input_ids, dtype=torch.int64), meta,
                                      rows if order is None else rows[order])

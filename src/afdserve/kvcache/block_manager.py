@@ -52,8 +52,7 @@ class BlockManager:
         self.refs = [0] * num_blocks
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # key -> device block
-        self.tables: dict[int, list[int]] = {}
-        self._slots: dict[int, torch.Tensor] = {}  # per sequence: slots of its positions so far
+        self.tables: dict[int, list[int]] = {}  # per sequence: its live blocks (after those released)
         self._committed: dict[int, int] = {}  # per sequence: blocks of its table already registered
         self._released: dict[int, int] = {}  # per sequence: leading blocks given back early
         self.prefix, self.kv = prefix, kv
@@ -89,13 +88,10 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"KV cache: need {need} blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
-        new = [self._take() for _ in range(need)]
-        table.extend(new)
-        self._add_slots(seq_id, new)
+        table.extend(self._take() for _ in range(need))
 
     def free(self, seq_id: int) -> None:
         """Releases a sequence's blocks; its cached blocks stay cached until evicted."""
-        self._slots.pop(seq_id, None)
         self._committed.pop(seq_id, None)
         self._released.pop(seq_id, None)
         self._unref(reversed(self.tables.pop(seq_id, ())))  # its last blocks are evicted first
@@ -117,7 +113,6 @@ class BlockManager:
         self._unref(table[:n])
         del table[:n]
         self._released[seq_id] = done + n
-        self._slots[seq_id][done * self.block_size : (done + n) * self.block_size] = -1
         return n
 
     def _unref(self, blocks: Iterable[int]) -> None:
@@ -128,13 +123,19 @@ class BlockManager:
                 if self.key_of[b] is None:
                     self._free.move_to_end(b, last=False)  # uncached blocks are taken before cached ones
 
+    def block_table(self, seq_id: int) -> list[int]:
+        """The block of each of the sequence's ``block_size`` positions so far (-1: given back)."""
+        table = self.tables.get(seq_id, [])
+        released = self._released.get(seq_id, 0)
+        return [-1] * released + table if released else list(table)
+
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
-        """Cache slots of token positions [0, num_tokens) of a sequence (a view: the slots of a
-        sequence's blocks are computed once, when the blocks are reserved)."""
-        have = self._slots[seq_id]
-        if num_tokens > have.shape[0]:
-            raise ValueError(f"sequence {seq_id} holds {have.shape[0]} slots, {num_tokens} asked for")
-        return have[:num_tokens]
+        """Cache slots of token positions [0, num_tokens) of a sequence (-1: given back)."""
+        table = torch.tensor(self.block_table(seq_id), dtype=torch.int64)
+        if num_tokens > table.numel() * self.block_size:
+            raise ValueError(f"sequence {seq_id} holds {table.numel() * self.block_size} slots, {num_tokens} asked for")
+        slots = torch.where(table[:, None] >= 0, table[:, None] * self.block_size + torch.arange(self.block_size), -1)
+        return slots.reshape(-1)[:num_tokens]
 
     # ---- prefix caching ---------------------------------------------------------------------
     def lookup(self, keys: list[bytes], max_blocks: int) -> PrefixHit:
@@ -194,7 +195,6 @@ class BlockManager:
             restored[tier] += 1
         if self.tiers is not None:
             self.tiers.recomputed += hit.recompute + len(hit.lower) - sum(restored.values())
-        self._add_slots(seq_id, table)
         self._committed[seq_id] = len(table)
         bs, c = self.block_size, self._counts
         if self.prefix is not None:
@@ -270,13 +270,3 @@ class BlockManager:
                 self.tiers.spill(key, lambda: self.kv.read_block(b))
         self.refs[b] = 1
         return b
-
-    def _add_slots(self, seq_id: int, new: list[int]) -> None:
-        if new:  # slots of the new blocks, appended to the sequence's slot list
-            add = (torch.tensor(new, dtype=torch.int64)[:, None] * self.block_size
-                   + torch.arange(self.block_size)).reshape(-1)
-            have = self._slots.get(seq_id)
-            self._slots[seq_id] = add if have is None else torch.cat([have, add])
-        elif seq_id not in self._slots:
-            self._slots[seq_id] = torch.empty(0, dtype=torch.int64)
-

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve import kernels
+from afdserve.kernels.attention import paged_attention
+from afdserve.kernels.layers import rope_cache
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm
 from afdserve.model.linear import Linear
@@ -19,19 +23,24 @@ class AttnMetadata:
     """Where the tokens of a flat batch go in the paged KV cache and what they attend to.
 
     The batch is the concatenation of each sequence's new tokens (``query_lens``); after this
-    step sequence ``i`` has ``kv_lens[i]`` tokens in the cache. Sequences with one new token
-    (decodes) are attended in one batched call; the others one by one. ``kv_slots[i]`` holds -1
-    for positions whose blocks were freed (out of every layer's window): no layer reads them.
+    step sequence ``i`` has ``kv_lens[i]`` tokens in the cache. The engine describes the cache by
+    block tables (``from_blocks``: ``block_tables`` [S, max_blocks] int32, -1 for blocks given back
+    because no layer's window reaches them), which the paged attention kernel reads in place; a
+    per-position slot list per sequence (``kv_slots``, -1 where released) is derived from them when
+    a PyTorch path needs it, or given directly (``build``).
     """
 
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
     query_lens: list[int]
     kv_lens: list[int]
-    kv_slots: list[torch.Tensor]  # per sequence: [kv_len] cache slots of its whole context
+    block_size: int = 0  # of ``block_tables`` (0: none)
+    block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
     decode_rows: torch.Tensor | None = None  # token rows of the query_len == 1 sequences
     decode_seqs: torch.Tensor | None = None  # their sequence indices
+    _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
     _decode_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -50,8 +59,62 @@ class AttnMetadata:
         slot_mapping = torch.cat([s[s.shape[0] - n:] for s, n in zip(kv_slots, query_lens)])
         dec = (q == 1).nonzero().squeeze(1)
         rows = first[dec] if dec.numel() else None
-        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, list(kv_slots), rows,
-                            dec if dec.numel() else None)
+        return AttnMetadata(positions, slot_mapping, list(query_lens), kv_lens, decode_rows=rows,
+                            decode_seqs=dec if dec.numel() else None, _kv_slots=list(kv_slots))
+
+    @staticmethod
+    def from_blocks(query_lens: list[int], kv_lens: list[int], tables: list[list[int]],
+                    block_size: int) -> "AttnMetadata":
+        """``tables[i]``: the blocks of sequence i's positions ``[j * block_size, (j + 1) * block_size)``
+        (-1: given back), covering its ``kv_lens[i]`` tokens; its last ``query_lens[i]`` are new."""
+        # at least 2 columns: a width of 1 would make torch.compile specialize (and recompile)
+        arr = np.full((len(tables), max(2, max(len(t) for t in tables))), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            arr[i, : len(t)] = t
+        return AttnMetadata._from_array(query_lens, kv_lens, arr, block_size)
+
+    def select(self, seqs: list[int], query_lens: list[int], kv_lens: list[int]) -> "AttnMetadata":
+        """A piece of this batch (a micro-batch): its sequences ``seqs`` with ``query_lens`` new tokens
+        and ``kv_lens`` tokens after them (a prefill split across pieces has fewer in the first)."""
+        if self.block_tables is None:
+            return AttnMetadata.build(query_lens, [self.kv_slots[s][:n] for s, n in zip(seqs, kv_lens)])
+        return AttnMetadata._from_array(query_lens, kv_lens, self.block_tables.numpy()[seqs], self.block_size)
+
+    @staticmethod
+    def _from_array(query_lens: list[int], kv_lens: list[int], arr: np.ndarray, bs: int) -> "AttnMetadata":
+        s = len(query_lens)
+        q, kv = np.asarray(query_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+        if int(q.sum()) == s:  # a pure decode step: one token per sequence, at its last position
+            seq_of, positions = np.arange(s), kv - 1
+            first = seq_of
+        else:
+            seq_of = np.repeat(np.arange(s), q)
+            first = np.cumsum(q) - q
+            positions = (kv - q)[seq_of] + np.arange(int(q.sum())) - first[seq_of]
+        slots = arr[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+        dec = np.flatnonzero(q == 1)
+        return AttnMetadata(torch.from_numpy(positions), torch.from_numpy(slots), list(query_lens), list(kv_lens),
+                            bs, torch.from_numpy(arr), torch.from_numpy(first[dec]) if dec.size else None,
+                            torch.from_numpy(dec) if dec.size else None)
+
+    @property
+    def kv_slots(self) -> list[torch.Tensor]:
+        """Per sequence: [kv_len] cache slots of its whole context (-1 where released)."""
+        if self._kv_slots is None:
+            bs, t = self.block_size, self.block_tables.to(torch.int64)
+            off = torch.arange(bs, device=t.device)
+            slots = torch.where(t[:, :, None] >= 0, t[:, :, None] * bs + off, -1).reshape(t.shape[0], -1)
+            self._kv_slots = [slots[i, :n] for i, n in enumerate(self.kv_lens)]
+        return self._kv_slots
+
+    def lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_lens [S], cu_q [S + 1]) as int32 tensors: the paged attention kernel's view."""
+        if self._lens is None:
+            cu = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
+            np.cumsum(self.query_lens, out=cu[1:])
+            dev = self.positions.device
+            self._lens = (torch.tensor(self.kv_lens, dtype=torch.int32, device=dev), torch.from_numpy(cu).to(dev))
+        return self._lens
 
     def decode_kv(self, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of the decode sequences through a ``window`` (0: all): padded slots [S, L] and
@@ -62,9 +125,9 @@ class AttnMetadata:
             starts = [max(0, n - window) if window else 0 for n in lens]
             padded = torch.nn.utils.rnn.pad_sequence([self.kv_slots[i][a:n] for i, a, n in zip(seqs, starts, lens)],
                                                      batch_first=True)
-            kept = torch.tensor([n - a for a, n in zip(starts, lens)])
+            kept = torch.tensor([n - a for a, n in zip(starts, lens)], device=padded.device)
             # padded with each sequence's own last slot (masked): never a slot of a block it gave back
-            cols = torch.arange(padded.shape[1])[None, :]
+            cols = torch.arange(padded.shape[1], device=padded.device)[None, :]
             slots = padded.gather(1, torch.minimum(cols, kept[:, None] - 1))
             mask = (cols < kept[:, None])[:, None, None, :]
             self._decode_kv[window] = (slots, mask)
@@ -78,10 +141,13 @@ class AttnMetadata:
         if self.decode_seqs is not None:
             for w in windows:
                 self.decode_kv(w)
+        self.lens()
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return AttnMetadata(move(self.positions), move(self.slot_mapping), self.query_lens, self.kv_lens,
-                            [move(s) for s in self.kv_slots], move(self.decode_rows), move(self.decode_seqs),
-                            {w: (move(a), move(b)) for w, (a, b) in self._decode_kv.items()})
+                            self.block_size, move(self.block_tables), move(self.decode_rows), move(self.decode_seqs),
+                            [move(s) for s in self.kv_slots],
+                            {w: (move(a), move(b)) for w, (a, b) in self._decode_kv.items()},
+                            (move(self._lens[0]), move(self._lens[1])))
 
     @property
     def is_decode(self) -> bool:
@@ -135,9 +201,12 @@ class AttentionPart(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if meta.is_decode:
-            return self.decode(x, *cos_sin, meta.slot_mapping, *meta.decode_kv(self.window), k_cache, v_cache)
+        if meta.block_tables is not None and kernels.supports("paged_attention", x):
+            return self.paged(x, *cos_sin, meta.slot_mapping, meta.block_tables, *meta.lens(), meta.block_size,
+                              k_cache, v_cache)
         q = self._project(x, cos_sin, meta.slot_mapping, k_cache, v_cache)
+        if meta.is_decode:
+            return self._output(x, self._decode(q, k_cache, v_cache, *meta.decode_kv(self.window)))
         return self._output(x, self._attend(q, k_cache, v_cache, meta))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
@@ -154,19 +223,22 @@ class AttentionPart(nn.Module):
         hd] views of the paged blocks) at ``slot_mapping``."""
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self.qkv(self.input_norm(x)).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        qkv = self.qkv(self.input_norm(x))
+        cos, sin = cos_sin
+        if kernels.supports("rope_cache", qkv) and k_cache.is_contiguous() and v_cache.is_contiguous():
+            norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            return rope_cache(qkv, cos, sin, k_cache, v_cache, slot_mapping, nh, nkv, *norms, cfg.rms_norm_eps)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(-1, nh, hd), k.view(-1, nkv, hd), v.view(-1, nkv, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache[slot_mapping] = k
         v_cache[slot_mapping] = v
         return q
 
     def _output(self, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x + self.o_proj(out.reshape(x.shape[0], -1))
-        return h, self.post_norm(h)
+        return self.post_norm.add_forward(self.o_proj(out.reshape(x.shape[0], -1)), x)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
               gqa: bool = True) -> torch.Tensor:
@@ -189,8 +261,21 @@ class AttentionPart(nn.Module):
         return F.scaled_dot_product_attention(q, torch.cat([keys, zero], 2), torch.cat([vals, zero], 2),
                                               attn_mask=bias, scale=self.scale, enable_gqa=gqa)
 
+    def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+              tables: torch.Tensor, kv_lens: torch.Tensor, cu_q: torch.Tensor, block_size: int, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` over the paged attention kernel: every sequence of the batch, decodes and
+        prefills, in one call that reads the cache in place through the block tables (see
+        ``AttnMetadata.lens``); on tensors only, so ``compile_decode`` compiles it too."""
+        q = self._project(x, (cos, sin), slot_mapping, k_cache, v_cache)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = paged_attention(q.contiguous(), k_cache, v_cache, tables, kv_lens, cu_q, block_size, self.window,
+                              self.scale, sinks)
+        return self._output(x, out)
+
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
+        """The PyTorch path: the decode rows in one SDPA call, each prefill piece in one of its own."""
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, *meta.decode_kv(self.window))

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from afdserve.config import cache_root
+
 __all__ = [
     "DEMO_MODEL_VERSION",
     "DEMO_CONFIG",
@@ -368,14 +370,9 @@ def build_demo_model(path: str | os.PathLike[str], seed: int = 0,
     return out
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("AFDSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "afdserve"
-
-
 def demo_model_dir() -> Path:
     """Where the embedded default model is (or will be built by ``demo_model_path``)."""
-    return _cache_root() / f"demo-model-v{DEMO_MODEL_VERSION}"
+    return cache_root() / f"demo-model-v{DEMO_MODEL_VERSION}"
 
 
 def demo_model_cached() -> bool:
@@ -390,7 +387,7 @@ def demo_model_path() -> Path:
     see a half-written model and concurrent first uses (threads or processes) are safe: the
     loser of the rename race discards its copy.
     """
-    root = _cache_root()
+    root = cache_root()
     final = root / f"demo-model-v{DEMO_MODEL_VERSION}"
     if final.is_dir():
         return final

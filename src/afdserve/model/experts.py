@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve import kernels
+from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import swiglu
 from afdserve.model.linear import SIDE_BY_SIDE, STACKED, forget, linear, packs
@@ -93,8 +95,14 @@ class ExpertPart(nn.Module):
         for j, e in enumerate(self.expert_ids):
             local[e] = j
         self.register_buffer("local_index", local, persistent=False)
+        self._kernel: tuple | None = None  # (weights' key, packed weights) of the fused MoE kernel
 
     def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.expert_ids and y.shape[1] % 2 == 0 and kernels.supports("fused_moe", y):
+            w13, w2, b13, b2 = self._kernel_weights()
+            a = self.act
+            return fused_moe(y.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.float().contiguous(),
+                             self.local_index, self.w_down.shape[2], b13, b2, a.kind, a.alpha, a.limit)
         if self.expert_ids and packs(y, self.w_gate_up) and self._dense_pays(y.shape[0], topk_ids.shape[1]):
             return self._dense(y, topk_ids, topk_weights)
         out = torch.zeros_like(y)
@@ -115,6 +123,16 @@ class ExpertPart(nn.Module):
         res = res * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, res.to(y.dtype))
         return out
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The held experts packed for the fused MoE kernel (made on first use, again after the
+        weights changed: ``set_weights``, a move), with float32 biases."""
+        key = (self.w_gate_up.data_ptr(), self.w_down.data_ptr(), self.w_gate_up.dtype)
+        if self._kernel is None or self._kernel[0] != key:
+            biases = (None, None) if self.b_gate_up is None else (self.b_gate_up.float().contiguous(),
+                                                                 self.b_down.float().contiguous())
+            self._kernel = (key, (pack_gate_up(self.w_gate_up), pack_down(self.w_down), *biases))
+        return self._kernel[1]
 
     def _dense_pays(self, tokens: int, k: int) -> bool:
         """Whether to run every held expert over every token (``_dense``). Few tokens make the
@@ -173,6 +191,7 @@ class ExpertPart(nn.Module):
             raise ValueError(f"expert weights: {len(tensors)} tensors given, {len(mine)} held")
         for dst, src in zip(mine, tensors):
             dst.copy_(src)
+        self._kernel = None
         for t in (self.w_gate_up, self.w_down, self.b_gate_up, self.b_down):
             if t is not None and t.is_inference():  # no version counter tells the packed copies
                 forget(t)

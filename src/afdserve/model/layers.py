@@ -6,16 +6,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve import kernels
+from afdserve.kernels.layers import add_rms_norm, rms_norm
 from afdserve.model.linear import linear
 
 
 class RMSNorm(nn.Module):
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = x + residual, one pass when the kernel runs."""
+        if x.is_contiguous() and residual.is_contiguous() and x.dim() == 2 and kernels.supports("rms_norm", x):
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and kernels.supports("rms_norm", x):
+            return rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

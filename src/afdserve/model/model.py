@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve import kernels
 from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttentionPart, AttnMetadata
@@ -91,15 +92,24 @@ class AttentionModel(nn.Module):
         on the first decode step). A model whose compilation fails warns and stays eager. MLA
         layers stay eager."""
         if self.cfg.mla is None:
-            self._compiled = torch.compile(_decode_half, dynamic=True)
+            self._compiled = (torch.compile(_paged_half, dynamic=True), torch.compile(_decode_half, dynamic=True))
 
     def _compiled_decode(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                          meta: AttnMetadata, kv: KVCache) -> tuple | None:
-        """``pre_moe`` of a decode batch through the compiled function; None if it failed."""
+        """``pre_moe`` of a decode batch through the compiled function (around the paged attention
+        kernel where it runs); None if it failed."""
         a, key = self.attn[layer], str(layer)
+        router = self.routers[key] if key in self.routers else None
+        paged, plain = self._compiled
         try:
-            return self._compiled(a, self.routers[key] if key in self.routers else None, x, *cos_sin,
-                                  meta.slot_mapping, *meta.decode_kv(a.window), kv.keys(layer), kv.values(layer))
+            if meta.block_tables is not None and kernels.supports("paged_attention", x):
+                # no duck sizing: the block tables' width would be guarded equal to any size it matches
+                # once (the KV heads, say), and recompiled when it grows past it
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return paged(a, router, x, *cos_sin, meta.slot_mapping, meta.block_tables, *meta.lens(),
+                                 meta.block_size, kv.keys(layer), kv.values(layer))
+            return plain(a, router, x, *cos_sin, meta.slot_mapping, *meta.decode_kv(a.window), kv.keys(layer),
+                         kv.values(layer))
         except Exception as e:  # a compiler missing or failing: eager from now on
             warnings.warn(f"torch.compile of the decode step failed, running eager: {type(e).__name__}: {e}",
                           RuntimeWarning, stacklevel=2)
@@ -124,6 +134,7 @@ class AttentionModel(nn.Module):
         cfg = cfg or ModelConfig.from_pretrained(path)
         dt = parse_dtype(dtype)
         r = reader or CheckpointReader(path)
+        kernels.load()  # now (built or loaded once per process), not in the first step
         m = cls(cfg, dt)
         h, nh, nkv, hd, v = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         m.embed.weight.copy_(r.get("model.embed_tokens.weight", (v, h), dt))
@@ -159,6 +170,14 @@ class AttentionModel(nn.Module):
                 a.k_norm.weight.copy_(r.get(p + "self_attn.k_norm.weight", (hd,), dt))
             _load_ffn(m, r, l, dt)
         return m
+
+
+def _paged_half(attn: AttentionPart, router: Router | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slot_mapping: torch.Tensor, tables: torch.Tensor, kv_lens: torch.Tensor, cu_q: torch.Tensor,
+                block_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """``pre_moe`` of a decode batch over the paged attention kernel, on tensors only."""
+    h, y = attn.paged(x, cos, sin, slot_mapping, tables, kv_lens, cu_q, block_size, k_cache, v_cache)
+    return (h, y, None, None) if router is None else (h, y, *router(y))
 
 
 def _decode_half(attn: AttentionPart, router: Router | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -233,6 +252,7 @@ class ExpertModel(nn.Module):
             if bad:
                 raise ModelError(f"expert ids {bad} out of range 0..{cfg.num_experts - 1}")
         r = reader or CheckpointReader(path)
+        kernels.load()
         m = cls(cfg, per_layer, dt)
         for l, part in enumerate(m.layers):
             for j, e in enumerate(part.expert_ids):

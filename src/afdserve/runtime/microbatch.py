@@ -29,18 +29,19 @@ def split(meta: AttnMetadata, m: int) -> list[MicroBatch]:
     seq, used = 0, 0  # current sequence, and how many of its new tokens earlier micro-batches took
     for i in range(len(sizes)):
         want = bounds[i + 1] - bounds[i]
-        qlens, slots = [], []
+        seqs, qlens, kv_lens = [], [], []
         while want > 0:
-            q, kv = meta.query_lens[seq], meta.kv_slots[seq]
+            q, kv = meta.query_lens[seq], meta.kv_lens[seq]
             take = min(q - used, want)
-            done_before = kv.shape[0] - q + used  # context already in the cache before this piece
+            done_before = kv - q + used  # context already in the cache before this piece
+            seqs.append(seq)
             qlens.append(take)
-            slots.append(kv[: done_before + take])
+            kv_lens.append(done_before + take)
             used += take
             want -= take
             if used == q:
                 seq, used = seq + 1, 0
-        out.append(MicroBatch(slice(bounds[i], bounds[i + 1]), AttnMetadata.build(qlens, slots)))
+        out.append(MicroBatch(slice(bounds[i], bounds[i + 1]), meta.select(seqs, qlens, kv_lens)))
     return out
 
 

@@ -1,0 +1,42 @@
+"""CPU kernels of the decode hot path (C++, built once per machine: ``afdserve.kernels.build``).
+
+* ``fused_moe``: every routed (token, expert) pair of a MoE layer in one call over weights packed
+  once (``moe.pack_gate_up``, ``moe.pack_down``), no loop over experts, no gathered token copies;
+* ``paged_attention``: decodes and prefills of a step in one call, reading the paged KV cache in
+  place through block tables.
+
+``supports(kernel, tensor)`` says whether a kernel runs for that tensor (on the CPU, a dtype the
+build supports, kernels built and loaded); callers keep their PyTorch path for everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afdserve.kernels.build import load
+
+
+def available() -> bool:
+    return load().ok
+
+
+def ops():
+    """``torch.ops.afdserve_kernels`` (loaded); RuntimeError naming the reason if unavailable."""
+    state = load()
+    if not state.ok:
+        raise RuntimeError(f"afdserve kernels unavailable: {state.reason}")
+    return torch.ops.afdserve_kernels
+
+
+def supports(kernel: str, x: torch.Tensor) -> bool:
+    """Whether ``kernel`` runs for ``x``'s device and dtype here."""
+    if x.device.type != "cpu" or not load().ok:
+        return False
+    key = (kernel, x.dtype)
+    hit = _supported.get(key)
+    if hit is None:
+        hit = _supported[key] = bool(torch.ops.afdserve_kernels.supported(kernel, x.dtype))
+    return hit
+
+
+_supported: dict[tuple[str, torch.dtype], bool] = {}

@@ -1,0 +1,133 @@
+"""Builds the C++ CPU kernels once per machine and loads them into ``torch.ops.afdserve_kernels``.
+
+The sources (``csrc/``) are compiled with PyTorch's extension builder for the CPU that builds them
+(``-march=native``) into ``$AFDSERVE_CACHE/kernels/<key>``, where the key hashes the sources, the
+torch and Python versions and the CPU's feature flags: another machine or version builds its own.
+A later process loads the built library directly (no compiler run). ``scripts/setup.sh`` builds them
+(``python -m afdserve.kernels.build``), so the first engine does not wait for the compiler.
+
+Anything that goes wrong (no compiler, no ninja, a CPU without AVX-512) leaves the kernels
+unavailable, with the reason in ``load().reason``; afdserve then runs its PyTorch paths.
+``AFDSERVE_KERNELS=0`` switches them off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from afdserve.config import cache_root
+
+NAME = "afdserve_kernels"
+SOURCES = ("ops.cpp", "moe.cpp", "attention.cpp", "layers.cpp")
+# -fopenmp: at::parallel_for runs on torch's OpenMP threads (the library links libgomp.so.1, which
+# resolves to the copy torch already loaded: one thread pool, sized by torch.set_num_threads)
+CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    ok: bool
+    reason: str = ""  # why not, when not ok
+    path: str = ""  # the shared library
+
+
+_state: Loaded | None = None
+
+
+def _csrc() -> Path:
+    return Path(str(resources.files("afdserve.kernels") / "csrc"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(_csrc())):
+        h.update(name.encode())
+        h.update((_csrc() / name).read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS), _cpu_flags()):
+        h.update(part.encode())
+    return cache_root() / "kernels" / h.hexdigest()[:16]
+
+
+def _library(directory: Path) -> Path:
+    return directory / f"{NAME}.so"
+
+
+def _compile(directory: Path) -> Path:
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    # ninja from this environment's bin (the `ninja` package) when PATH lacks it
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name=NAME, sources=[str(_csrc() / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                       build_directory=str(directory), is_python_module=False, verbose=False)
+    return _library(directory)
+
+
+def load(build: bool = True) -> Loaded:
+    """Loads the kernels (building them first if ``build`` and they are not built yet); once per
+    process."""
+    global _state
+    if _state is not None and (_state.ok or not build or _state.reason != "not built"):
+        return _state
+    if os.environ.get("AFDSERVE_KERNELS", "1") == "0":
+        _state = Loaded(False, "switched off (AFDSERVE_KERNELS=0)")
+        return _state
+    if platform.machine() not in ("x86_64", "AMD64"):
+        _state = Loaded(False, f"no kernels for {platform.machine()} (x86-64 only)")
+        return _state
+    directory = build_dir()
+    lib = _library(directory)
+    try:
+        if not lib.exists():
+            if not build:
+                _state = Loaded(False, "not built")
+                return _state
+            lib = _compile(directory)
+        else:
+            torch.ops.load_library(str(lib))
+    except Exception as e:  # no compiler, ninja, headers...: the PyTorch paths serve
+        _state = Loaded(False, f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+        warnings.warn(f"afdserve kernels unavailable, using PyTorch paths: {_state.reason}", RuntimeWarning,
+                      stacklevel=2)
+        return _state
+    from afdserve.kernels import fakes
+
+    fakes.register()
+    _state = Loaded(True, path=str(lib))
+    return _state
+
+
+def main() -> int:
+    state = load()
+    if state.ok:
+        print(f"afdserve: kernels ready ({state.path})")
+    else:
+        print(f"afdserve: kernels unavailable ({state.reason}); the PyTorch paths will serve")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

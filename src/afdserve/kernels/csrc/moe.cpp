@@ -1,0 +1,289 @@
+// Fused MoE experts for the CPU: every routed (token, expert) pair of a layer in one call, with no
+// loop over experts on the Python side and no gathered copies of the tokens.
+//
+// Weights are packed once (afdserve.kernels.moe.pack_*) into column blocks of 32 outputs:
+//   bfloat16: [E][N/32][K/2][32][2]  (consecutive k in pairs: the operands of vdpbf16ps)
+//   float32:  [E][N/32][K][32]
+// The gate/up matrix [2I, K] of an expert is packed with its rows reordered so that block b holds
+// gate rows 16b..16b+15 and up rows I+16b..I+16b+15: one block's accumulators give 16 activations.
+// Rows past the real N are zero (so K of the down projection is I rounded up to 16).
+//
+// fused_moe: tokens are sorted by expert (counting sort); phase 1 runs gate/up and the activation
+// into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32, phase 3 sums each
+// token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
+// by column block, so every thread streams a disjoint part of every expert's weights once.
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace afd {
+
+bool moe_supported(c10::ScalarType dt);
+
+namespace {
+
+constexpr int NB = 32;  // outputs per column block
+constexpr int MR = 8;   // token rows per micro-kernel call (a group)
+
+#if defined(__AVX512F__)
+
+// Token rows enter the micro-kernel packed: for a group of up to MR rows, unit i of every row side
+// by side ([units][MR], a unit being 4 bytes: a pair of bfloat16 k or one float32 k), so one base
+// pointer addresses every broadcast.
+template <typename T>
+constexpr int64_t kPerUnit = std::is_same_v<T, at::BFloat16> ? 2 : 1;
+
+// c[2r], c[2r+1]: outputs 0-15 and 16-31 of row r over the `units` units of the packed rows `a`
+// and the weight block `w`
+template <typename T, int R>
+inline void tile(const uint32_t* a, const T* w, int64_t units, __m512* acc) {
+  __m512 c[2 * R];
+#pragma GCC unroll 16
+  for (int r = 0; r < 2 * R; ++r) c[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < units; ++i) {
+    const uint32_t* ai = a + i * MR;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+#if defined(__AVX512BF16__)
+      const int16_t* wp = reinterpret_cast<const int16_t*>(w) + i * 64;
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(ai[r]));
+        c[2 * r] = _mm512_dpbf16_ps(c[2 * r], x, w0);
+        c[2 * r + 1] = _mm512_dpbf16_ps(c[2 * r + 1], x, w1);
+      }
+#endif
+    } else {
+      __m512 w0 = _mm512_loadu_ps(w + i * NB), w1 = _mm512_loadu_ps(w + i * NB + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512 x = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(ai[r])));
+        c[2 * r] = _mm512_fmadd_ps(x, w0, c[2 * r]);
+        c[2 * r + 1] = _mm512_fmadd_ps(x, w1, c[2 * r + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < 2 * R; ++r) acc[r] = c[r];
+}
+
+template <typename T>
+inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, __m512* acc) {
+  switch (n) {
+    case 1: tile<T, 1>(a, w, units, acc); break;
+    case 2: tile<T, 2>(a, w, units, acc); break;
+    case 3: tile<T, 3>(a, w, units, acc); break;
+    case 4: tile<T, 4>(a, w, units, acc); break;
+    case 5: tile<T, 5>(a, w, units, acc); break;
+    case 6: tile<T, 6>(a, w, units, acc); break;
+    case 7: tile<T, 7>(a, w, units, acc); break;
+    default: tile<T, 8>(a, w, units, acc); break;
+  }
+}
+
+// 0: silu(gate) * up; 1: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
+inline __m512 activation(__m512 gate, __m512 up, int kind, float alpha, float limit) {
+  if (kind == 0) return _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid16(gate)), up);
+  __m512 lim = _mm512_set1_ps(limit);
+  gate = _mm512_min_ps(gate, lim);
+  up = _mm512_max_ps(_mm512_min_ps(up, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+  __m512 glu = _mm512_mul_ps(gate, sigmoid16(_mm512_mul_ps(gate, _mm512_set1_ps(alpha))));
+  return _mm512_mul_ps(_mm512_add_ps(up, _mm512_set1_ps(1.0f)), glu);
+}
+
+// 16 activations of row r (columns col..col+15) into the packed rows of its group
+template <typename T>
+inline void store_packed(uint32_t* group, int64_t col, int r, __m512 v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    alignas(32) uint32_t pairs[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16(v));
+    for (int q = 0; q < 8; ++q) group[(col / 2 + q) * MR + r] = pairs[q];
+  } else {
+    alignas(64) uint32_t f[16];
+    _mm512_store_si512(f, _mm512_castps_si512(v));
+    for (int q = 0; q < 16; ++q) group[(col + q) * MR + r] = f[q];
+  }
+}
+
+template <typename T, typename Id>
+at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                          const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& local,
+                          int64_t inter, int64_t act, double alpha, double limit) {
+  const int64_t T_ = x.size(0), H = x.size(1), K = ids.size(1), E = w13.size(0);
+  const int64_t nb1 = w13.size(1), ipad = nb1 * 16, nb2 = w2.size(1);
+  const int64_t u1 = H / kPerUnit<T>, u2 = ipad / kPerUnit<T>;  // units of the gate/up and down inputs
+  const T* xp = x.data_ptr<T>();
+  const Id* idp = ids.data_ptr<Id>();
+  const float* wp = weights.data_ptr<float>();
+  const int64_t* lp = local.data_ptr<int64_t>();
+  const int64_t nlocal = local.size(0);
+  // counting sort of the (token, slot) pairs by local expert; each expert's pairs in groups of MR
+  std::vector<int64_t> start(E + 1, 0), pair_of(T_ * K, -1), group0(E + 1, 0);
+  std::vector<int32_t> expert_of(T_ * K, -1);
+  for (int64_t i = 0; i < T_ * K; ++i) {
+    int64_t g = static_cast<int64_t>(idp[i]);
+    int64_t e = (g >= 0 && g < nlocal) ? lp[g] : -1;
+    if (e >= 0) { expert_of[i] = static_cast<int32_t>(e); ++start[e + 1]; }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    group0[e + 1] = group0[e] + (start[e + 1] + MR - 1) / MR;
+    start[e + 1] += start[e];
+  }
+  const int64_t P = start[E], groups = group0[E];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1), token_of(P);
+  for (int64_t i = 0; i < T_ * K; ++i) {
+    if (expert_of[i] < 0) continue;
+    int64_t p = fill[expert_of[i]]++;
+    pair_of[i] = p;
+    token_of[p] = i / K;
+  }
+  at::Tensor out = at::empty({T_, H}, x.options());
+  if (P == 0) return out.zero_();
+  // packed inputs of the two projections, and the down projections' outputs per pair
+  std::vector<uint32_t> a1(groups * u1 * MR, 0), a2(groups * u2 * MR, 0);
+  at::Tensor ybuf = at::empty({P, H}, x.options().dtype(at::kFloat));
+  float* yp = ybuf.data_ptr<float>();
+  const T* w13p = w13.data_ptr<T>();
+  const T* w2p = w2.data_ptr<T>();
+  const float* b13p = b13.has_value() ? b13->data_ptr<float>() : nullptr;  // [E, 2I] float32
+  const float* b2p = b2.has_value() ? b2->data_ptr<float>() : nullptr;     // [E, H] float32
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  // phase 0: the token rows of each group, packed
+  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) {
+      for (int64_t p = start[e]; p < start[e + 1]; ++p) {
+        const int64_t g = group0[e] + (p - start[e]) / MR, r = (p - start[e]) % MR;
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(xp + token_of[p] * H);
+        uint32_t* dst = a1.data() + g * u1 * MR + r;
+        for (int64_t i = 0; i < u1; ++i) dst[i * MR] = row[i];
+      }
+    }
+  });
+  // phase 1: gate/up and the activation, by blocks of 16 intermediate columns
+  at::parallel_for(0, nb1, 1, [&](int64_t b0, int64_t b1) {
+    __m512 acc[2 * MR];
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const T* wblk = w13p + (e * nb1 + b) * H * NB;
+        const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
+        __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
+        if (b13p != nullptr) {
+          bg = load16(b13p + e * 2 * inter + col, static_cast<int>(ncols));
+          bu = load16(b13p + e * 2 * inter + inter + col, static_cast<int>(ncols));
+        }
+        for (int64_t g = group0[e]; g < group0[e + 1]; ++g) {
+          const int n = static_cast<int>(std::min<int64_t>(MR, start[e + 1] - start[e] - (g - group0[e]) * MR));
+          tile_rows<T>(n, a1.data() + g * u1 * MR, wblk, u1, acc);
+          for (int r = 0; r < n; ++r) {
+            __m512 v = activation(_mm512_add_ps(acc[2 * r], bg), _mm512_add_ps(acc[2 * r + 1], bu), act, a, l);
+            store_packed<T>(a2.data() + g * u2 * MR, col, r, v);
+          }
+        }
+      }
+    }
+  });
+  // phase 2: the down projection, by blocks of 32 hidden columns
+  at::parallel_for(0, nb2, 1, [&](int64_t c0, int64_t c1) {
+    __m512 acc[2 * MR];
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const T* wblk = w2p + (e * nb2 + c) * ipad * NB;
+        const int64_t col = c * NB;
+        const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col)));
+        const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col - 16)));
+        __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+        if (b2p != nullptr) {
+          bias0 = load16(b2p + e * H + col, n0);
+          if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
+        }
+        for (int64_t g = group0[e]; g < group0[e + 1]; ++g) {
+          const int64_t p0 = start[e] + (g - group0[e]) * MR;
+          const int n = static_cast<int>(std::min<int64_t>(MR, start[e + 1] - p0));
+          tile_rows<T>(n, a2.data() + g * u2 * MR, wblk, u2, acc);
+          for (int r = 0; r < n; ++r) {
+            float* y = yp + (p0 + r) * H + col;
+            store16(y, _mm512_add_ps(acc[2 * r], bias0), n0);
+            if (n1 > 0) store16(y + 16, _mm512_add_ps(acc[2 * r + 1], bias1), n1);
+          }
+        }
+      }
+    }
+  });
+  // phase 3: each token's pairs, in top-k order, with their routing weights
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < H; h += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, H - h));
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t p = pair_of[t * K + j];
+          if (p >= 0) s = _mm512_fmadd_ps(_mm512_set1_ps(wp[t * K + j]), load16(yp + p * H + h, n), s);
+        }
+        store16(op + t * H + h, s, n);
+      }
+    }
+  });
+  return out;
+}
+
+#endif  // __AVX512F__
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                     const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                     const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& local,
+                     int64_t inter, int64_t act, double alpha, double limit) {
+  TORCH_CHECK(moe_supported(x.scalar_type()), "afdserve fused_moe: no kernel for ", x.scalar_type(),
+              " on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "fused_moe: x must be [T, even H], contiguous");
+  TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(),
+              "fused_moe: weights must have x's dtype");
+  TORCH_CHECK(w13.dim() == 5 || w13.dim() == 4, "fused_moe: w13 must be packed (afdserve.kernels.moe.pack_gate_up)");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.size(0) == w2.size(0), "fused_moe: bad packed weights");
+  TORCH_CHECK(w13.size(1) * 16 >= inter && w2.size(1) * NB >= x.size(1), "fused_moe: packed shapes do not match");
+  TORCH_CHECK(w13.numel() == w13.size(0) * w13.size(1) * x.size(1) * NB, "fused_moe: w13 does not match x's width");
+  TORCH_CHECK(w2.numel() == w2.size(0) * w2.size(1) * w13.size(1) * 16 * NB, "fused_moe: w2 does not match w13");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.is_contiguous(), "fused_moe: ids must be [T, k]");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
+              "fused_moe: weights must be float32 [T, k]");
+  TORCH_CHECK(local.scalar_type() == at::kLong && local.dim() == 1, "fused_moe: local must be int64 [num_experts]");
+  for (const auto* b : {&b13, &b2}) {
+    TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
+                "fused_moe: biases must be contiguous float32");
+  }
+#if defined(__AVX512F__)
+  return AT_DISPATCH_SWITCH(x.scalar_type(), "fused_moe",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        return ids.scalar_type() == at::kInt
+            ? fused_moe_impl<float, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit)
+            : fused_moe_impl<float, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        return ids.scalar_type() == at::kInt
+            ? fused_moe_impl<at::BFloat16, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit)
+            : fused_moe_impl<at::BFloat16, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit);
+      }));
+#else
+  return x;
+#endif
+}
+
+}  // namespace
+
+bool moe_supported(c10::ScalarType dt) {
+  if (dt == at::kFloat) return kHaveAvx512;
+  if (dt == at::kBFloat16) return kHaveAvx512 && kHaveAvx512Bf16;
+  return false;
+}
+
+}  // namespace afd
+
+TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
+  m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, Tensor ids, Tensor weights, "
+        "Tensor local, int inter, int act, float alpha, float limit) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) { m.impl("fused_moe", &afd::fused_moe); }

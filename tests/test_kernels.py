@@ -1,0 +1,212 @@
+"""The C++ CPU kernels against PyTorch references: fused MoE, paged attention (varlen, windows,
+sinks, released blocks), RMS norm and RoPE with the cache write (bit for bit as the PyTorch code
+they replace, in 16-bit types); the build's fallback when they cannot be had."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afdserve import kernels
+from afdserve.kernels import build
+from afdserve.model.layers import RMSNorm
+from afdserve.model.rope import Rope, apply_rotary
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _moe_reference(x, w1, w2, ids, w, local, act, b1, b2):
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = w1.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            g = int(ids[t, j])
+            if g >= local.numel() or local[g] < 0:
+                continue
+            e = int(local[g])
+            gu = x[t].double() @ w1[e].double().T + (0 if b1 is None else b1[e].double())
+            gate, up = gu[:inter], gu[inter:]
+            if act == "silu":
+                a = F.silu(gate) * up
+            else:
+                gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                a = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+            out[t] += float(w[t, j]) * (a @ w2[e].double().T + (0 if b2 is None else b2[e].double()))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [(1, 64, 32, 4, 2), (5, 64, 48, 8, 2), (37, 96, 40, 3, 3),
+                                                           (80, 128, 64, 8, 2), (9, 6, 4, 2, 1)])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_fused_moe_matches_the_reference(dtype, tokens, hidden, inter, experts, k, act):
+    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+
+    g = torch.Generator().manual_seed(tokens * 7 + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype)
+    bias = act == "swiglu_oai"
+    b1 = torch.randn(experts, 2 * inter, generator=g) * 0.1 if bias else None
+    b2 = torch.randn(experts, hidden, generator=g) * 0.1 if bias else None
+    # ids beyond the held experts (other workers') and one mapped to -1 contribute nothing
+    ids = torch.stack([torch.randperm(experts + 2, generator=g)[:k] for _ in range(tokens)])
+    local = torch.full((experts + 3,), -1, dtype=torch.int64)
+    local[: experts - 1] = torch.arange(experts - 1)  # the last expert is not held here
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    want = _moe_reference(x, w1, w2, ids, w, local, act, b1, b2)
+    for id_dtype in (torch.int64, torch.int32):
+        got = fused_moe(x, pack_gate_up(w1), pack_down(w2), ids.to(id_dtype), w, local, inter, b1, b2, act).double()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (id_dtype, (got - want).abs().max())
+
+
+def _attention_reference(q, kc, vc, tables, kv_lens, cu_q, bs, window, scale, sinks):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    nh, nkv = q.shape[1], kc.shape[1]
+    for s in range(len(kv_lens)):
+        n, q0, q1 = int(kv_lens[s]), int(cu_q[s]), int(cu_q[s + 1])
+        pos = torch.arange(n)
+        slots = tables[s][pos // bs].long() * bs + pos % bs
+        for t in range(q0, q1):
+            p = n - (q1 - q0) + (t - q0)
+            lo = max(0, p - window + 1) if window else 0
+            ks, vs = kc[slots[lo : p + 1]].double(), vc[slots[lo : p + 1]].double()
+            for h in range(nh):
+                sc = (ks[:, h // (nh // nkv)] @ q[t, h].double()) * scale
+                if sinks is not None:
+                    sc = torch.cat([sc, sinks[h : h + 1].double()])
+                pr = torch.softmax(sc, 0)[: ks.shape[0]]
+                out[t, h] = pr @ vs[:, h // (nh // nkv)]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("nh,nkv,hd,bs,window,sink", [(8, 2, 32, 16, 0, False), (4, 4, 16, 4, 0, False),
+                                                     (8, 1, 64, 16, 5, True), (32, 2, 24, 8, 0, True),
+                                                     (6, 3, 128, 16, 20, False), (2, 2, 40, 16, 0, False)])
+def test_paged_attention_matches_the_reference(dtype, nh, nkv, hd, bs, window, sink):
+    """Decodes and prefill pieces (a whole prompt, a chunk after a cached prefix) in one call, blocks
+    scattered through the cache; a windowed sequence's blocks before its window are given back (-1)."""
+    from afdserve.kernels.attention import paged_attention
+
+    g = torch.Generator().manual_seed(nh * hd + bs)
+    nblocks = 64
+    kc = torch.randn(nblocks * bs, nkv, hd, generator=g).to(dtype)
+    vc = torch.randn(nblocks * bs, nkv, hd, generator=g).to(dtype)
+    qlens, kv_lens = [1, 7, 1, 20, 3, 40], [5, 7, 40, 33, 60, 40]
+    tables = torch.full((len(qlens), max(-(-n // bs) for n in kv_lens)), -1, dtype=torch.int32)
+    perm, i = torch.randperm(nblocks, generator=g), 0
+    for s, n in enumerate(kv_lens):
+        nb = -(-n // bs)
+        tables[s, :nb] = perm[i : i + nb].int()
+        i += nb
+        if window:  # blocks wholly before every query's window are gone
+            first = max(0, n - qlens[s] - window + 1)
+            tables[s, : first // bs] = -1
+    cu_q = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), nh, hd, generator=g).to(dtype)
+    sinks = torch.randn(nh, generator=g) if sink else None
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    got = paged_attention(q, kc, vc, tables, lens, cu_q, bs, window, hd**-0.5, sinks)
+    want = _attention_reference(q, kc, vc, tables.clamp_min(0), lens, cu_q, bs, window, hd**-0.5, sinks)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    assert (got.double() - want).abs().max() <= tol
+
+
+@needs_kernels
+def test_paged_attention_refuses_bad_metadata():
+    from afdserve.kernels.attention import paged_attention
+
+    kc = torch.zeros(64, 2, 16)
+    q = torch.zeros(3, 4, 16)
+    ok = dict(block_tables=torch.zeros(1, 1, dtype=torch.int32), kv_lens=torch.tensor([3], dtype=torch.int32),
+              cu_q=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="more queries or keys"):
+        paged_attention(q, kc, kc, ok["block_tables"], torch.tensor([20], dtype=torch.int32), ok["cu_q"], 16, 0, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_attention(q, kc, kc, ok["block_tables"].long(), ok["kv_lens"], ok["cu_q"], 16, 0, 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim", [256, 64, 40, 6])
+def test_rms_norm_is_the_modules(dtype, dim):
+    """Bit for bit as the PyTorch RMSNorm in 16-bit types; float32 within an ulp (the sum's order)."""
+    from afdserve.kernels.layers import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-5, dtype)
+    norm.weight.data.copy_(torch.randn(dim, generator=g) * 0.2 + 1)
+    x, r = torch.randn(7, dim, generator=g).to(dtype), torch.randn(7, dim, generator=g).to(dtype)
+    with torch.inference_mode():  # the module's arithmetic (which runs the kernel itself when it can)
+        h = x + r
+        hs = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        expect = norm.weight * hs.to(dtype)
+        got_h, got_y = add_rms_norm(x, r, norm.weight, 1e-5)
+        assert torch.equal(got_h, h)
+        if dtype == torch.float32:
+            assert torch.allclose(got_y, expect, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(rms_norm(h, norm.weight, 1e-5), expect, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got_y, expect) and torch.equal(rms_norm(h, norm.weight, 1e-5), expect)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("nh,nkv,d,rot,qk_norm", [(8, 2, 32, 32, False), (4, 2, 64, 32, True), (6, 3, 40, 40, False)])
+def test_rope_cache_is_the_modules(dtype, nh, nkv, d, rot, qk_norm):
+    """Queries as apply_rotary gives them, keys and values written at their slots (partial rotary,
+    Qwen3's q/k norms); bit for bit without the norms (float32 too), within an ulp with them."""
+    from afdserve.kernels.layers import rope_cache
+
+    g = torch.Generator().manual_seed(nh * d + rot)
+    t = 5
+    cos, sin = Rope.from_config({"rope_theta": 1e4}, rot, 512).cos_sin(torch.tensor([3, 0, 17, 4, 100]), dtype)
+    qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=g).to(dtype)
+    kc, vc = torch.zeros(64, nkv, d, dtype=dtype), torch.zeros(64, nkv, d, dtype=dtype)
+    slots = torch.tensor([5, 9, 33, 2, 60])
+    norms = [RMSNorm(d, 1e-6, dtype), RMSNorm(d, 1e-6, dtype)]
+    for n in norms:
+        n.weight.data.copy_(torch.randn(d, generator=g) * 0.2 + 1)
+    with torch.inference_mode():
+        q = rope_cache(qkv, cos, sin, kc, vc, slots, nh, nkv, *((n.weight for n in norms) if qk_norm else (None, None)),
+                       1e-6)
+        rq, rk, rv = qkv.split([nh * d, nkv * d, nkv * d], -1)
+        rq, rk, rv = rq.view(t, nh, d), rk.reshape(t, nkv, d), rv.reshape(t, nkv, d)
+        if qk_norm:
+            rq, rk = norms[0](rq.contiguous()), norms[1](rk.contiguous())
+        rq, rk = apply_rotary(rq, cos, sin), apply_rotary(rk, cos, sin)
+    assert torch.equal(vc[slots], rv)
+    if qk_norm and dtype == torch.float32:
+        assert torch.allclose(q, rq, atol=1e-5) and torch.allclose(kc[slots], rk, atol=1e-5)
+    else:
+        assert torch.equal(q, rq) and torch.equal(kc[slots], rk)
+
+
+def test_switched_off_kernels_leave_the_pytorch_paths():
+    code = ("from afdserve import kernels; from afdserve.kernels.build import load; import torch; "
+            "print(kernels.available(), kernels.supports('fused_moe', torch.zeros(1)), load().reason)")
+    env = {**os.environ, "AFDSERVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[:2] == ["False", "False"] and "AFDSERVE_KERNELS=0" in out
+
+
+def test_a_failed_build_warns_and_leaves_the_pytorch_paths(tmp_path):
+    """No compiler: the kernels are unavailable with the reason, a warning says so, nothing raises."""
+    code = ("import warnings, torch; from afdserve.kernels import build, supports\n"
+            "def broken(d): raise RuntimeError('no compiler here')\n"
+            "build._compile = broken\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    s = build.load()\n"
+            "print(s.ok, supports('paged_attention', torch.zeros(1)), 'no compiler here' in s.reason, len(w))")
+    env = {**os.environ, "AFDSERVE_CACHE": str(tmp_path)}  # nothing built there
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "True", "1"]
