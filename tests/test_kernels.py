@@ -210,3 +210,23 @@ def test_a_failed_build_warns_and_leaves_the_pytorch_paths(tmp_path):
     env = {**os.environ, "AFDSERVE_CACHE": str(tmp_path)}  # nothing built there
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "True", "1"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 3000, 256, False), (8, 384, 256, True), (37, 100, 64, True),
+                                          (300, 256, 256, False), (5, 7, 6, True)])
+def test_linear_matches_the_reference(dtype, rows, n, k, bias):
+    """Any N (padded to whole column blocks), float32 outputs from bfloat16 inputs on request."""
+    from afdserve.kernels.linear import linear, pack
+
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    for out_dtype in (None, torch.float32):
+        got = linear(x, pack(w), n, b, out_dtype)
+        assert got.shape == (rows, n) and got.dtype == (out_dtype or dtype)
+        exact = dtype == torch.float32 or out_dtype == torch.float32
+        assert (got.double() - want).abs().max() <= (1e-5 if exact else 1e-2) * max(1.0, want.abs().max())

@@ -2,22 +2,18 @@
 end to end against a live tiny server; chat templates."""
 
 import json
-import random
 
 import pytest
-import torch
 
 from afdserve.bench.loadgen import RequestResult
 from afdserve.bench.serve_report import format_table, summarize
 from afdserve.bench.sharegpt import count_records, iter_json_array, load_conversations
 from afdserve.bench.workload import sharegpt_requests, synthetic_requests
 from afdserve.cli.main import main as afdserve
-from afdserve.config import EngineConfig, micro_batch_sizes
+from afdserve.config import EngineConfig
 from afdserve.engine.tokenizer import load_tokenizer
 from afdserve.errors import RequestError
-from afdserve.model.attention import AttnMetadata
 from afdserve.model.demo import MIXTRAL_CHAT_TEMPLATE
-from afdserve.runtime.microbatch import split
 from afdserve.serving.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
@@ -47,16 +43,6 @@ def test_workloads(tiny_mixtral):
     assert len(reqs) == 20
     assert all(4 <= r.prompt_len <= 300 and 4 <= r.output_len <= 50 for r in reqs)
     assert all(r.prompt_len == len(tok.encode(r.prompt).ids) for r in reqs)
-
-
-def test_micro_batch_sizes_match_the_pipeline_split():
-    rng = random.Random(0)
-    for _ in range(30):
-        qlens = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
-        slots = [torch.arange(q) for q in qlens]
-        for m in (1, 2, 3, 5):
-            got = [mb.meta.num_tokens for mb in split(AttnMetadata.build(qlens, slots), m)]
-            assert micro_batch_sizes(sum(qlens), m) == got
 
 
 def test_summary_figures():

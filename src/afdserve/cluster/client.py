@@ -189,7 +189,7 @@ class ClusterClient(FrontEnd):
             w.wait(0.2)
             return self._lost(name, f"{self._who(name)} died ({w.exit_status()})")
         if isinstance(msg, StepOutputs):
-            self.stats_view.on_step(name, msg.stats, self.micro_batches)
+            self.stats_view.on_step(name, msg.stats)
             for o in msg.outputs:
                 if o.finished:
                     self._release(o.request_id)

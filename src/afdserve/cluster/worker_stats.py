@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 from afdserve.balance.load import LoadSnapshot
-from afdserve.config import micro_batch_sizes
 from afdserve.engine.stats import BusyMeter, EngineStats, cpu_seconds
 from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.runtime.messages import AttentionStats, ExpertStats
@@ -28,10 +27,12 @@ class ClusterStats:
         self.sizes: list[int] = []  # micro-batches run since the last snapshot
         self.dropped = 0  # expert assignments the attention workers dropped (a missing expert worker)
 
-    def on_step(self, worker: str, stats: AttentionStats, micro_batches: int) -> None:
+    def on_step(self, worker: str, stats: AttentionStats) -> None:
+        """An attention worker's step (one lane of its pipeline: a micro-batch) was done."""
         self.latest[worker] = stats
         self.dropped += stats.dropped
-        self.sizes += micro_batch_sizes(stats.step_tokens, micro_batches)
+        if stats.step_tokens:
+            self.sizes.append(stats.step_tokens)
 
     def on_stats(self, worker: str, stats: AttentionStats | ExpertStats) -> None:
         self.latest[worker] = stats

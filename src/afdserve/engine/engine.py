@@ -19,7 +19,7 @@ from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import Runner
 from afdserve.engine.sampler import SamplingInputs, position_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
-from afdserve.engine.scheduler import Scheduler, SchedulerConfig
+from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
 from afdserve.errors import RequestError
 from afdserve.kvcache.block_manager import BlockManager
@@ -41,6 +41,21 @@ class Grammars(Protocol):
         """Advances ``seq``'s grammar by ``token``; True when the grammar is complete."""
 
     def remove(self, seq: Sequence) -> None: ...
+
+
+@dataclass
+class StepInputs:
+    """A scheduled step, between ``Engine.begin`` and ``Engine.finish``."""
+
+    batch: Batch
+    input_ids: torch.Tensor  # [T] int64
+    meta: AttnMetadata
+    rows: torch.Tensor  # token rows whose logits are needed, ascending
+    order: torch.Tensor | None  # the permutation back to (sampled rows, prompt-logprob rows)
+    sampled: list[tuple[Sequence, int]]
+    prompt_rows: list[tuple[Sequence, int, int]]
+    partial: list[Sequence]
+    t0: float
 
 
 @dataclass
@@ -92,7 +107,7 @@ class Engine:
         if seq is None:
             return False
         seq.finish_reason = seq.finish_reason or "abort"
-        self._finish(seq)
+        self._finish(seq)  # a sequence in a step in flight keeps its blocks until the step lands
         return True
 
     def prefix_stats(self) -> PrefixCacheStats:
@@ -107,13 +122,25 @@ class Engine:
         return self.scheduler.has_work
 
     def step(self) -> list[TokenOutput]:
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            self.last_step = StepStats()
+        """One step: ``begin``, the runner's forward, ``finish``."""
+        s = self.begin()
+        if s is None:
             return []
+        return self.finish(s, self.runner.forward(s.input_ids, s.meta, s.rows))
+
+    def begin(self, lanes: int = 1) -> StepInputs | None:
+        """Schedules a batch and prepares its inputs, for a runner to compute. With ``lanes`` > 1 the
+        batch is one of that many steps in flight at once (the disaggregated pipeline): it takes
+        only sequences not in another step in flight, about a ``lanes``-th of the running ones, within a
+        ``lanes``-th of the token budget. None when nothing can run now."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule(lanes)
+        if not batch:
+            if lanes == 1:
+                self.last_step = StepStats()
+            return None
         input_ids: list[int] = []
-        tables, kv_lens, qlens, rows, sampled, prompt_rows, partial = [], [], [], [], [], [], []
+        tables, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start, total = seq.num_computed, seq.num_computed + n
             first_row = len(input_ids)
@@ -130,13 +157,18 @@ class Engine:
             else:  # a chunk of a longer prefill: reported as progress
                 partial.append(seq)
         rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
-        meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, self.blocks.block_size)
         order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
-        logits = self.runner.forward(torch.tensor(input_ids, dtype=torch.int64), meta,
-                                     rows if order is None else rows[order])
-        if order is not None:
-            logits = torch.empty_like(logits).index_copy_(0, order, logits)
-        self.scheduler.advance(batch)  # num_computed; full blocks become cached
+        meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, self.blocks.block_size)
+        return StepInputs(batch, torch.tensor(input_ids, dtype=torch.int64), meta,
+                          rows if order is None else rows[order], order, sampled, prompt_rows, partial, t0)
+
+    def finish(self, s: StepInputs, logits: torch.Tensor) -> list[TokenOutput]:
+        """The step ``s`` was computed (``logits`` of its rows): advances its sequences, samples,
+        applies the stop conditions; returns the outputs."""
+        batch, sampled, prompt_rows = s.batch, s.sampled, s.prompt_rows
+        if s.order is not None:
+            logits = torch.empty_like(logits).index_copy_(0, s.order, logits)
+        self.scheduler.advance(batch)  # num_computed; full blocks become cached; no longer in flight
         if self.kv_window:  # the next token (position num_computed) attends from here on
             for seq in batch.seqs:
                 self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
@@ -146,14 +178,24 @@ class Engine:
                 tok = seq.prompt_token_ids[pos]
                 seq.prompt_logprobs.append(position_logprobs(lp[j], tok, seq.params.prompt_logprobs or 0))
         outs = [TokenOutput(seq.request_id, [], num_cached_tokens=self._first_output(seq),
-                            prefill=PrefillProgress(seq.num_computed, seq.num_tokens)) for seq in partial]
-        if sampled:
-            outs += self._sample(logits[: len(sampled)], [seq for seq, _ in sampled])
+                            prefill=PrefillProgress(seq.num_computed, seq.num_tokens))
+                for seq in s.partial if not seq.finished]
+        live = [(i, seq) for i, (seq, _) in enumerate(sampled) if not seq.finished]  # aborted while in flight
+        if live:
+            keep = [i for i, _ in live]
+            rows = logits[: len(sampled)] if len(keep) == len(sampled) else logits[keep]
+            outs += self._sample(rows, [seq for _, seq in live])
+        meta = s.meta
         num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
-        self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - t0)
+        self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - s.t0)
         if batch.num_tokens > num_decode:  # measured prefill rate: restore-versus-recompute decisions
             self.blocks.observe_prefill(batch.num_tokens - num_decode, self.last_step.seconds)
         return outs
+
+    def cancel(self, s: StepInputs) -> None:
+        """The step ``s`` will not be computed (a peer was lost mid-step): its sequences are as before
+        it and run again in a later step."""
+        self.scheduler.land(s.batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOutput]:
         allowed = self.grammars.allowed(seqs, logits.shape[1]) if self.grammars is not None else None

@@ -52,6 +52,8 @@ class Scheduler:
         self.cfg, self.blocks = cfg, blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.in_flight: set[int] = set()  # seq_ids in a scheduled step not advanced yet
+        self._free_after: list[Sequence] = []  # finished while in flight: blocks freed when the step lands
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,13 +63,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Removes a finished or aborted sequence and frees its blocks."""
+        """Removes a finished or aborted sequence and frees its blocks (once no step in flight
+        writes them any more)."""
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
+        if seq.seq_id in self.in_flight:
+            self._free_after.append(seq)
+        else:
+            self.blocks.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         self.running.remove(seq)
@@ -78,20 +84,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def schedule(self) -> Batch:
+    def schedule(self, lanes: int = 1) -> Batch:
+        """The next step's batch. With ``lanes`` > 1 steps in flight at once, it holds no sequence of
+        another step in flight, at most about a ``lanes``-th of the running sequences and a
+        ``lanes``-th of the token budget; a preemption never takes a sequence in flight."""
         batch = Batch()
-        budget = self.cfg.max_num_batched_tokens
+        budget = max(1, self.cfg.max_num_batched_tokens // lanes)
+        share = -(-len(self.running) // lanes) if lanes > 1 else len(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch) < share:
             seq = self.running[i]
+            if seq.seq_id in self.in_flight:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
-                victim = self.running[-1]  # the latest arrival; never one already in this batch
+                # the latest arrival not in flight; never one already in this batch
+                victim = next(v for v in reversed(self.running) if v.seq_id not in self.in_flight)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is Status.WAITING:
-                break  # it preempted itself: everything after it is gone too
+                break  # it preempted itself: everything after it not in flight is gone too
             self.blocks.reserve(seq.seq_id, seq.num_computed + n)
             batch.seqs.append(seq)
             batch.num_new.append(n)
@@ -125,14 +139,32 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+        if lanes > 1:
+            self.in_flight.update(seq.seq_id for seq in batch.seqs)
         return batch
 
     def advance(self, batch: Batch) -> None:
         """After a step ran: the batch's tokens are computed; full blocks become cached."""
         for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.finished:  # aborted while the step was in flight
+                continue
             seq.num_computed += n
             if self.blocks.enabled:
                 self.blocks.commit(seq.seq_id, self._keys(seq), seq.num_computed)
+        self.land(batch)
+
+    def land(self, batch: Batch) -> None:
+        """The batch's step is over (advanced, or abandoned): its sequences are free to be scheduled,
+        those finished meanwhile give their blocks back."""
+        if not self.in_flight:
+            return
+        for seq in batch.seqs:
+            self.in_flight.discard(seq.seq_id)
+        if self._free_after:
+            done = [seq for seq in self._free_after if seq.seq_id not in self.in_flight]
+            for seq in done:
+                self.blocks.free(seq.seq_id)
+            self._free_after = [seq for seq in self._free_after if seq.seq_id in self.in_flight]
 
     def _keys(self, seq: Sequence) -> list[bytes]:
         """The sequence's chain keys, extended to all its full blocks."""

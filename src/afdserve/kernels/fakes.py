@@ -12,6 +12,10 @@ def register() -> None:
     def _(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit):
         return torch.empty_like(x)
 
+    @torch.library.register_fake(lib + "linear")
+    def _(x, w, bias, n, out_dtype):
+        return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
+
     @torch.library.register_fake(lib + "paged_attention")
     def _(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale, sinks):
         return torch.empty_like(q)

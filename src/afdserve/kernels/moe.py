@@ -10,19 +10,8 @@ from __future__ import annotations
 import torch
 
 from afdserve.kernels import ops
-
-BLOCK = 32  # outputs per column block (the kernel's NB)
+from afdserve.kernels.packing import BLOCK, blocks
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
-
-
-def _blocks(w: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] with N a multiple of 32 -> the kernel's layout: [E, N/32, K/2, 32, 2] (bf16: pairs
-    of consecutive k) or [E, N/32, K, 32] (float32)."""
-    e, n, k = w.shape
-    blocks = w.reshape(e, n // BLOCK, BLOCK, k)
-    if w.dtype == torch.bfloat16:
-        return blocks.reshape(e, n // BLOCK, BLOCK, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
-    return blocks.permute(0, 1, 3, 2).contiguous()
 
 
 def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
@@ -34,7 +23,7 @@ def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
     up = torch.zeros_like(gate)
     gate[:, :i], up[:, :i] = w[:, :i], w[:, i:]
     rows = torch.cat([gate.view(e, ipad // 16, 16, h), up.view(e, ipad // 16, 16, h)], dim=2)
-    return _blocks(rows.reshape(e, 2 * ipad, h))
+    return blocks(rows.reshape(e, 2 * ipad, h))
 
 
 def pack_down(w: torch.Tensor) -> torch.Tensor:
@@ -43,7 +32,7 @@ def pack_down(w: torch.Tensor) -> torch.Tensor:
     hpad, ipad = -(-h // BLOCK) * BLOCK, -(-i // 16) * 16
     padded = torch.zeros(e, hpad, ipad, dtype=w.dtype, device=w.device)
     padded[:, :h, :i] = w
-    return _blocks(padded)
+    return blocks(padded)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

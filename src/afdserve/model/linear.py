@@ -1,19 +1,19 @@
-"""Linear projections with weights prepacked for the CPU's GEMM library.
+"""Linear projections with weights packed once for the CPU's GEMMs.
 
-On a CPU with bf16 GEMM support, oneDNN runs a weight reordered once into its blocked layout faster
-than ``F.linear`` for the few-row products of decoding (``benchmarks/linear_kernels.py``), and gives
-the same bits (``tests/test_packed_weights.py``). ``linear`` keeps that reordered copy of each
-weight it sees (keyed by the weight's storage, shape and strides, for as long as the weight's base
-tensor lives) and makes it again when the weight changes in place (its version counter moves: a load, ``copy_``; an inference
-tensor has no version counter, so whoever changes one in place calls ``forget``). It is a custom op
-(``afdserve::packed_linear``), so ``torch.compile`` graphs call it as it is.
+Two backends, both over a copy of the weight reordered once and kept (keyed by the weight's
+storage, shape and strides, for as long as the weight's base tensor lives; made again when the
+weight changes in place -- its version counter moves; an inference tensor has none, so whoever
+changes one in place calls ``forget``):
 
-Everywhere else (CUDA, float32, no oneDNN, ``AFDSERVE_PACKED_WEIGHTS=0``) it is ``F.linear``.
-Float32 stays on ``F.linear`` because the packed kernel rounds differently there, which would break
-token identity with transformers.
+* afdserve's linear kernel (``afdserve.kernels.linear``, bfloat16 and float32): one call per product,
+  little fixed cost for the few-row products of decoding, float32 outputs on request (the LM head's
+  logits) -- used wherever it is built;
+* oneDNN's packed linear (bfloat16 only), where the kernels are not built: the same bits as
+  ``F.linear`` in bf16 (``tests/test_packed_weights.py``).
 
-The packed copy doubles the memory of the weights that use it (the expert layer's dense path, see
-``ExpertPart``, keeps one more).
+Everything else (CUDA, float16, ``AFDSERVE_PACKED_WEIGHTS=0``) is ``F.linear``. It is a custom op
+(``afdserve::packed_linear``), so ``torch.compile`` graphs call it as it is. The packed copy doubles
+the memory of the weights that use it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from afdserve import kernels
+from afdserve.kernels.linear import linear as kernel_linear
+from afdserve.kernels.linear import pack
 
 # the batch size oneDNN is told to optimise the layout for (the decode batch of a few to a few
 # hundred rows; measured not to matter much between 16 and 128)
@@ -59,7 +63,13 @@ def reset_packing(keep_packed: bool = False) -> None:
 
 def packs(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``linear`` runs ``x @ w.T`` through a packed weight."""
-    return w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu" and packing_available()
+    return x.dtype == w.dtype and w.device.type == "cpu" and packing_available() and (
+        _kernel(x) or w.dtype == torch.bfloat16)
+
+
+def _kernel(x: torch.Tensor) -> bool:
+    """afdserve's linear kernel runs for ``x`` (else oneDNN's)."""
+    return kernels.supports("linear", x) and (x.dtype == torch.float32 or x.shape[-1] % 2 == 0)
 
 
 def _layout(w: torch.Tensor, layout: int) -> torch.Tensor:
@@ -70,13 +80,18 @@ def _layout(w: torch.Tensor, layout: int) -> torch.Tensor:
     return w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, layout: int = PLAIN) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``W`` the ``layout`` of ``w`` (``PLAIN``: ``w`` itself)."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, layout: int = PLAIN,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``W`` the ``layout`` of ``w`` (``PLAIN``: ``w`` itself), in ``out_dtype``
+    (default: x's; float32 is computed as such by the kernel, not rounded first)."""
     if packs(x, w):
         if torch.compiler.is_compiling():  # the op, opaque to the compiler
-            return torch.ops.afdserve.packed_linear(x, w, bias, layout)
-        return _packed_linear(x, w, bias, layout)  # eager: without the custom op's Python dispatch
-    return F.linear(x, _layout(w, layout), bias)
+            y = torch.ops.afdserve.packed_linear(x, w, bias, layout)
+        else:
+            y = _packed_linear(x, w, bias, layout, out_dtype)  # eager: without the custom op's Python dispatch
+    else:
+        y = F.linear(x, _layout(w, layout), bias)
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
 def forget(w: torch.Tensor) -> None:
@@ -88,20 +103,29 @@ def forget(w: torch.Tensor) -> None:
         del _packed[key]
 
 
-def _packed_weight(w: torch.Tensor, layout: int) -> torch.Tensor:
-    key = (w.data_ptr(), tuple(w.shape), w.stride(), layout)
+def _packed_weight(w: torch.Tensor, layout: int, kernel: bool) -> torch.Tensor:
+    key = (w.data_ptr(), tuple(w.shape), w.stride(), layout, kernel)
     version = -1 if w.is_inference() else w._version
     hit = _packed.get(key)
     if hit is not None and hit[0]() is not None and hit[1] == version:
         return hit[2]
     base = w if w._base is None else w._base
-    packed = torch.ops.mkldnn._reorder_linear_weight(_layout(w, layout).contiguous(), _ROWS_HINT)
+    if kernel:
+        packed = pack(_layout(w, layout))
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(_layout(w, layout).contiguous(), _ROWS_HINT)
     _packed[key] = (weakref.ref(base, lambda _, key=key: _packed.pop(key, None)), version, packed)
     return packed
 
 
-def _packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(w, layout), bias, "none", [], "")
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: int,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if _kernel(x):
+        n = w.shape[1] if layout == SIDE_BY_SIDE else (w.shape[0] * w.shape[1] if layout == STACKED else w.shape[0])
+        y = kernel_linear(x.reshape(-1, x.shape[-1]).contiguous(), _packed_weight(w, layout, True), n,
+                          None if bias is None else bias.float(), out_dtype)
+        return y.view(*x.shape[:-1], n)
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(w, layout, False), bias, "none", [], "")
 
 
 @torch.library.custom_op("afdserve::packed_linear", mutates_args=())

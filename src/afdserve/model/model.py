@@ -24,7 +24,7 @@ from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
 from afdserve.model.layers import RMSNorm
-from afdserve.model.linear import Linear
+from afdserve.model.linear import Linear, linear
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -126,7 +126,15 @@ class AttentionModel(nn.Module):
         return h + routed
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
+        return linear(self.norm(x), self.lm_head.weight, out_dtype=torch.float32)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def logits_slice(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
+        """Vocabulary ``[start, end)`` of the logits of the normalized ``xn`` into ``out[:, start:end]``
+        (float32): the LM head in pieces."""
+        out[:, start:end] = linear(xn, self.lm_head.weight[start:end], out_dtype=torch.float32)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",

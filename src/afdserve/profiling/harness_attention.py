@@ -56,9 +56,9 @@ def measure_attention(
             lyr = state["n"] % cfg.num_layers
             state["n"] += 1
             if state["flight"] is not None:
-                runner.combine(0, (lyr - 1) % cfg.num_layers, state["flight"])
+                runner.combine(runner.collect(state["flight"]))
             h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
-            state["flight"] = runner.dispatch(0, lyr, h, y, ids, w)
+            state["flight"] = runner.dispatch(0, 0, lyr, h, y, ids, w)
 
         call()  # warm-up (allocator, kernels)
         t = median_time(call, repeats, flush)

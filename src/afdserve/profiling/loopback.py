@@ -46,5 +46,8 @@ class LoopbackLinks:
             self.on_recv()
         return _Reply([torch.zeros(n, self.hidden, dtype=self.dtype)], meta)
 
+    def recv_any(self, peers: list[int], timeout: float) -> tuple[int, _Reply]:
+        return peers[0], self.recv(peers[0], timeout)
+
     def close(self) -> None:
         pass

@@ -6,9 +6,8 @@ from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links, PeerFailure
 from afdserve.runtime.messages import AttentionStats, StepOutputs
-from afdserve.runtime.microbatch import MicroBatch, split
-from afdserve.runtime.pipeline import InFlight, PipelinedRunner
+from afdserve.runtime.pipeline import Dispatch, PipelinedRunner
 from afdserve.runtime.trace import Span, Tracer
 
-__all__ = ["AttentionStats", "ControlChannel", "ExpertCompute", "ExpertMap", "InFlight", "Links", "MicroBatch",
-           "PeerFailure", "PipelinedRunner", "Span", "StepOutputs", "Tracer", "split"]
+__all__ = ["AttentionStats", "ControlChannel", "Dispatch", "ExpertCompute", "ExpertMap", "Links", "PeerFailure",
+           "PipelinedRunner", "Span", "StepOutputs", "Tracer"]

@@ -1,5 +1,6 @@
 """An attention worker: the engine core over the attention half of the model, whose runner is the
-ping-pong pipeline to the expert workers. It reports new token ids and finish events only."""
+ping-pong pipeline to the expert workers (``m`` lanes of steps in flight). It reports new token ids
+and finish events only."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Attention
                                        Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
+from afdserve.runtime.lanes import Lanes
 from afdserve.runtime.trace import Tracer, idle_span
+
+# control messages applied only between steps, with nothing in flight
+QUIESCENT = (SetMicroBatches, Regroup, SwitchMap)
 
 
 class AttentionWorker:
@@ -45,38 +50,52 @@ class AttentionWorker:
         self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids), grammars)
         self.waiting_for_regroup = False  # a peer was lost: no step until the links are new
         self.epoch = spec.epoch  # membership epoch of the links
+        self.held: list[ToWorker] = []  # control messages waiting for no step in flight
+        self.lanes = Lanes(self.engine, self.runner, self.tracer, self._emit)
+        self._ctl: ControlChannel | None = None
 
     def serve(self, ctl: ControlChannel) -> None:
-        eng = self.engine
+        eng, lanes = self.engine, self.lanes
+        self._ctl = ctl
         while True:
-            idle = not eng.has_unfinished() or self.waiting_for_regroup
+            idle = not lanes.busy and (not eng.has_unfinished() or self.waiting_for_regroup)
             t0 = time.time_ns()
             if ctl.poll(0.05 if idle else 0):
                 while True:
                     msg = ctl.recv()
                     if isinstance(msg, Shutdown):
+                        lanes.abandon()
                         eng.close()  # the prefix cache's disk tier keeps its blocks for the next start
                         return
-                    self._control(msg, ctl)
+                    if isinstance(msg, QUIESCENT) and lanes.busy:
+                        self.held.append(msg)  # applied once no step is in flight
+                    else:
+                        self._control(msg, ctl)
                     if not ctl.poll(0):
                         break
+            if self.held and not lanes.busy:
+                held, self.held = self.held, []
+                for msg in held:
+                    self._control(msg, ctl)
             if idle:
                 if self.tracer.enabled and eng.has_unfinished():
                     self.tracer.spans.append(idle_span(t0))
                 continue
             try:
-                with self.tracer.span("step", step=self.runner.step_no + 1, m=self.runner.m) as span:
-                    outs = eng.step()
-                    span["tokens"] = eng.last_step.num_tokens
-            except PeerFailure as e:  # the step did not happen: it runs again once the links are new
+                # no new step while a control message waits for the pipeline to drain
+                lanes.advance(begin=not self.held, timeout=0.05)
+            except PeerFailure as e:  # the steps in flight did not happen: they run again once the links are new
+                lanes.abandon()
                 self.waiting_for_regroup = True
                 ctl.send(PeerLost(self.spec.name, e.peer, str(e), self.epoch))
-                continue
-            if outs:
-                ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
+
+    def _emit(self, outs: list[TokenOutput]) -> None:
+        if outs:
+            self._ctl.send(StepOutputs(self.spec.name, outs, self._stats()))
 
     def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
         name = self.spec.name
+        self.lanes.changed()
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)

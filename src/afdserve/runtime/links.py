@@ -65,6 +65,13 @@ class Links:
     def recv(self, peer: int, timeout: float) -> Message:
         return self.comm.recv(self.peers[peer], timeout=timeout)
 
+    def recv_any(self, peers: Sequence[int], timeout: float) -> tuple[int, Message]:
+        """The next message of whichever of ``peers`` delivers first: (its index, the message)."""
+        if len(peers) == 1:
+            return peers[0], self.comm.recv(self.peers[peers[0]], timeout=timeout)
+        msg = self.comm.recv_any([self.peers[j] for j in peers], timeout=timeout)
+        return self.peers.index(msg.peer), msg
+
     def gather(self, timeout: float) -> list[tuple[int, Message]]:
         """Waits up to ``timeout`` for a first message, then takes the messages other peers have
         already delivered: one per peer (empty list when nothing came)."""

@@ -1,33 +1,60 @@
-"""The attention side of the ping-pong pipeline.
+"""The attention side of the ping-pong pipeline: one step of a micro-batch (a *lane*, see
+``runtime/lanes.py``) through every layer, its MoE inputs sent to the expert workers and their
+replies combined.
 
-The batch is split into m micro-batches. In every layer, micro-batch i's MoE input is dispatched to
-the expert workers, and while they compute it the attention worker computes micro-batch i+1; the
-experts' partial sums come back and are combined (with the shared expert) into the layer output.
+``run`` is a generator that yields each ``Dispatch`` it then waits on, so that other lanes run
+their attention while the experts compute; ``poll`` takes the workers' replies as they come (in
+order per worker) and returns the dispatches they complete. ``forward`` runs one step on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from afdserve.balance.load import LoadTracker
+from afdserve.comm import PeerTimeoutError
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links
-from afdserve.runtime.microbatch import MicroBatch, rows_in, split
 from afdserve.runtime.trace import Tracer
 
 GATE_ATTENTION, GATE_EXPERT = 0, 1
+# vocabulary rows of the LM head computed between two chances for other lanes to run
+LM_HEAD_PIECE = 4096
 
 
 @dataclass
-class InFlight:
+class Part:
+    """An expert worker's share of a dispatch: its reply, once it came."""
+
+    worker: int
+    rows: torch.Tensor | None  # token rows it got (None: all)
+    reply: Any = None  # the Message (its tensors are views of the registered slot)
+
+
+@dataclass
+class Dispatch:
+    """One layer of one lane's step, sent to the expert workers."""
+
+    lane: int
+    step: int
+    layer: int
     h: torch.Tensor
     y: torch.Tensor
-    parts: list[tuple[int, torch.Tensor | None]]  # (expert worker, token rows it got; None = all)
+    parts: list[Part] = field(default_factory=list)
+    deadline: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return all(p.reply is not None for p in self.parts)
 
 
 class PipelinedRunner:
@@ -45,6 +72,7 @@ class PipelinedRunner:
         self.full_map = expert_map  # the map without missing workers
         self.lost: torch.Tensor | None = None  # bool [L, E]: experts no live worker holds (dropped)
         self.dropped = 0  # (token, k) assignments dropped since the last report
+        self._expect: dict[int, deque[tuple[Dispatch, Part]]] = {}  # per expert worker: replies due, in order
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -58,48 +86,121 @@ class PipelinedRunner:
         if expert_map.num_workers != self.tokens_per_worker.numel():  # the expert pool was resized
             self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
-        m, tr = self.model, self.tracer
+    # ---- replies --------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """Some dispatch still waits for replies."""
+        return any(self._expect.values())
+
+    def next_step(self) -> int:
+        """A new step number (messages carry it: replies are matched by step, lane and layer)."""
         self.step_no += 1
         if self.tracker is not None:
             self.tracker.step()
-        dev = m.device
-        input_ids, rows = input_ids.to(dev), rows.to(dev)
-        mbs = [MicroBatch(mb.rows, mb.meta.to(dev, m.windows)) for mb in split(meta, self.m)]
-        x = [m.embed_tokens(input_ids[mb.rows]) for mb in mbs]
-        cos_sin = [m.rotary.cos_sin(mb.meta.positions, m.dtype) for mb in mbs]
-        flight: list[InFlight | None] = [None] * len(mbs)
-        for layer in range(m.cfg.num_layers):
-            for i, mb in enumerate(mbs):
-                if layer > 0:
-                    x[i] = self.combine(i, layer - 1, flight[i])
-                with tr.span("attention", mb=i, layer=layer, tokens=mb.meta.num_tokens):
-                    h, y, ids, w = m.pre_moe(layer, x[i], cos_sin[i], mb.meta, self.kv)
-                flight[i] = self.dispatch(i, layer, h, y, ids, w)
-        # Each micro-batch's LM head runs as soon as its last layer is combined, while the experts
-        # still work on the next micro-batch's last layer.
-        local_rows = rows_in(mbs, rows)
-        logits = []
-        for i in range(len(mbs)):
-            x[i] = self.combine(i, m.cfg.num_layers - 1, flight[i])
-            with tr.span("attention", mb=i, layer=m.cfg.num_layers, phase="lm_head"):
-                logits.append(m.logits(x[i][local_rows[i]]))
-        return torch.cat(logits)
+        return self.step_no
 
-    def dispatch(self, mb: int, layer: int, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None,
-                  w: torch.Tensor | None) -> InFlight:
-        parts: list[tuple[int, torch.Tensor | None]] = []
+    def poll(self, timeout: float) -> list[Dispatch]:
+        """Takes the expert replies that arrived (waiting up to ``timeout`` for the first); returns
+        the dispatches they complete. PeerTimeoutError once the oldest dispatch is past its deadline."""
+        done: list[Dispatch] = []
+        wait = timeout
+        while True:
+            peers = [j for j, q in self._expect.items() if q]
+            if not peers:
+                return done
+            try:
+                j, msg = self.links.recv_any(peers, wait)
+            except PeerTimeoutError:
+                d, part = min((q[0] for q in self._expect.values() if q), key=lambda x: x[0].deadline)
+                if done or time.monotonic() < d.deadline:
+                    return done
+                raise PeerTimeoutError(self.links.peers[part.worker],
+                                       f"no reply for step {d.step} micro-batch {d.lane} layer {d.layer} before the "
+                                       f"deadline") from None
+            d, part = self._expect[j].popleft()
+            if (msg.meta.step, msg.meta.microbatch, msg.meta.layer) != (d.step, d.lane, d.layer):
+                msg.release()
+                raise RuntimeError(f"expert worker {j} answered step {msg.meta.step} micro-batch {msg.meta.microbatch}"
+                                   f" layer {msg.meta.layer}, expected ({d.step}, {d.lane}, {d.layer})")
+            part.reply = msg
+            if d.complete:
+                done.append(d)
+            wait = 0.0  # then whatever else has arrived, without waiting
+
+    def collect(self, d: Dispatch) -> Dispatch:
+        """Waits for the replies of ``d``, the oldest dispatch to each of its workers (a caller that
+        drives one dispatch at a time)."""
+        for p in d.parts:
+            q = self._expect[p.worker]
+            if not q or q[0][1] is not p:
+                raise RuntimeError("collect: an older dispatch to the same worker is still waiting")
+            q.popleft()
+            p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
+        return d
+
+    def reset(self) -> None:
+        """Forgets every dispatch in flight (a peer was lost) and gives back the replies held."""
+        for q in self._expect.values():
+            for d, _ in q:
+                for p in d.parts:
+                    if p.reply is not None:
+                        p.reply.release()
+        self._expect.clear()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """One step on its own, waited for: logits [len(rows), vocab]."""
+        run = self.run(0, self.next_step(), input_ids, meta, rows)
+        try:
+            d = next(run)
+            while True:
+                if d is not None:
+                    self.collect(d)
+                d = run.send(None)
+        except StopIteration as stop:
+            return stop.value
+
+    # ---- one lane's step --------------------------------------------------------------------------
+    def run(self, lane: int, step: int, input_ids: torch.Tensor, meta: AttnMetadata,
+            rows: torch.Tensor) -> Generator[Dispatch | None, None, torch.Tensor]:
+        """One step of ``lane`` through every layer: yields each ``Dispatch`` it then waits on (resume
+        it once the dispatch is complete), and None where it could go on but lets other lanes run
+        first (between pieces of the LM head); returns the logits [len(rows), vocab]."""
+        m, tr = self.model, self.tracer
+        dev = m.device
+        input_ids, rows, meta = input_ids.to(dev), rows.to(dev), meta.to(dev, m.windows)
+        x = m.embed_tokens(input_ids)
+        cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
+        for layer in range(m.cfg.num_layers):
+            with tr.span("attention", mb=lane, layer=layer, tokens=meta.num_tokens):
+                h, y, ids, w = m.pre_moe(layer, x, cos_sin, meta, self.kv)
+            d = self.dispatch(lane, step, layer, h, y, ids, w)
+            if d.parts:
+                yield d
+            x = self.combine(d)
+        xn = m.final_norm(x[rows])
+        logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
+        for start in range(0, m.cfg.vocab_size, LM_HEAD_PIECE):
+            end = min(start + LM_HEAD_PIECE, m.cfg.vocab_size)
+            with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
+                m.logits_slice(xn, start, end, logits)
+            if end < m.cfg.vocab_size:
+                yield None
+        return logits
+
+    def dispatch(self, lane: int, step: int, layer: int, h: torch.Tensor, y: torch.Tensor,
+                 ids: torch.Tensor | None, w: torch.Tensor | None) -> Dispatch:
+        """Sends the layer's MoE input to the expert workers that hold its tokens' experts."""
+        d = Dispatch(lane, step, layer, h, y,
+                     deadline=time.monotonic() + self.timeout * max(1.0, y.shape[0] / 256))
         if not self.model.cfg.is_moe(layer):  # a dense layer: its MLP runs in combine, nothing is sent
-            return InFlight(h, y, parts)
-        n_exp = self.model.cfg.num_experts
-        with self.tracer.span("send", mb=mb, layer=layer):
+            return d
+        n_exp, meta = self.model.cfg.num_experts, (step, lane, layer, self.version)
+        with self.tracer.span("send", mb=lane, layer=layer):
             if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
                 for j in range(self.map.num_workers):
-                    self.links.send(j, [y], (self.step_no, mb, layer, self.version))
-                    parts.append((j, None))
-                self.tokens_per_worker += y.shape[0]
-                return InFlight(h, y, parts)
+                    self._send(d, j, None, [y], meta)
+                return d
             ids, w = ids.cpu(), w.cpu()  # routing and the messages' sizes are decided on the host
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
@@ -112,6 +213,9 @@ class PipelinedRunner:
                     owner = torch.full_like(ids, -1, dtype=torch.int64)
                 else:  # route the lost pairs as any held expert, then take them out
                     owner = torch.where(lost, -1, self.map.route(layer, torch.where(lost, int(held[0, 0]), ids)))
+            elif self.map.num_workers == 1:  # one expert worker holds every expert: all tokens, as they are
+                self._send(d, 0, None, [y, ids, w], meta)
+                return d
             else:
                 owner = self.map.route(layer, ids)
             for j in range(self.map.num_workers):
@@ -120,38 +224,40 @@ class PipelinedRunner:
                 if rows.numel() == 0:
                     continue  # nothing for this worker: no message, no wait
                 sub_ids = torch.where(mine[rows], ids[rows], n_exp).to(torch.int32)
-                tokens = rows.to(y.device)
-                self.links.send(j, [y[tokens], sub_ids, w[rows]], (self.step_no, mb, layer, self.version))
-                self.tokens_per_worker[j] += tokens.numel()
-                parts.append((j, tokens))
-        return InFlight(h, y, parts)
+                self._send(d, j, rows.to(y.device), [y[rows.to(y.device)], sub_ids, w[rows]], meta)
+        return d
 
-    def combine(self, mb: int, layer: int, f: InFlight) -> torch.Tensor:
+    def _send(self, d: Dispatch, worker: int, rows: torch.Tensor | None, tensors: list[torch.Tensor],
+              meta: tuple[int, int, int, int]) -> None:
+        self.links.send(worker, tensors, meta)
+        self.tokens_per_worker[worker] += d.y.shape[0] if rows is None else rows.numel()
+        part = Part(worker, rows)
+        d.parts.append(part)
+        self._expect.setdefault(worker, deque()).append((d, part))
+
+    def combine(self, d: Dispatch) -> torch.Tensor:
+        """The layer's output from its dispatch's replies (read in place from the registered slots)."""
+        layer = d.layer
         if not self.model.cfg.is_moe(layer):
-            with self.tracer.span("attention", mb=mb, layer=layer, phase="dense_mlp"):
-                return self.model.post_moe(layer, f.h, f.y, None)
-        routed = torch.zeros_like(f.y)
-        # a dead peer is detected at once; a stalled one after the deadline, which grows with the
-        # work in flight (a large prefill keeps an expert busy for a while)
-        timeout = self.timeout * max(1.0, f.y.shape[0] / 256)
-        for j, tokens in f.parts:
-            with self.tracer.span("wait", mb=mb, layer=layer, peer=j):
-                msg = self.links.recv(j, timeout)
-            if (msg.meta.step, msg.meta.microbatch, msg.meta.layer) != (self.step_no, mb, layer):
-                msg.release()
-                raise RuntimeError(f"expert worker {j} answered step {msg.meta.step} micro-batch "
-                                   f"{msg.meta.microbatch} layer {msg.meta.layer}, expected ({self.step_no}, {mb}, "
-                                   f"{layer})")
-            try:
-                part = msg.tensors[0].to(routed.device)
-                if tokens is None:
-                    routed += part
+            with self.tracer.span("attention", mb=d.lane, layer=layer, phase="dense_mlp"):
+                return self.model.post_moe(layer, d.h, d.y, None)
+        try:
+            with self.tracer.span("attention", mb=d.lane, layer=layer, phase="combine"):
+                dev = d.y.device
+                if len(d.parts) == 1 and d.parts[0].rows is None:
+                    routed = d.parts[0].reply.tensors[0].to(dev)
                 else:
-                    routed.index_add_(0, tokens, part)
-            finally:
-                msg.release()
-        with self.tracer.span("attention", mb=mb, layer=layer, phase="combine"):
-            return self.model.post_moe(layer, f.h, f.y, routed)
+                    routed = torch.zeros_like(d.y)
+                    for p in d.parts:
+                        part = p.reply.tensors[0].to(dev)
+                        if p.rows is None:
+                            routed += part
+                        else:
+                            routed.index_add_(0, p.rows, part)
+                return self.model.post_moe(layer, d.h, d.y, routed)
+        finally:
+            for p in d.parts:
+                p.reply.release()
 
 
 def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@
 // into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32, phase 3 sums each
 // token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
 // by column block, so every thread streams a disjoint part of every expert's weights once.
-#include "vec.h"
+#include "gemm.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,64 +25,7 @@ bool moe_supported(c10::ScalarType dt);
 
 namespace {
 
-constexpr int NB = 32;  // outputs per column block
-constexpr int MR = 8;   // token rows per micro-kernel call (a group)
-
 #if defined(__AVX512F__)
-
-// Token rows enter the micro-kernel packed: for a group of up to MR rows, unit i of every row side
-// by side ([units][MR], a unit being 4 bytes: a pair of bfloat16 k or one float32 k), so one base
-// pointer addresses every broadcast.
-template <typename T>
-constexpr int64_t kPerUnit = std::is_same_v<T, at::BFloat16> ? 2 : 1;
-
-// c[2r], c[2r+1]: outputs 0-15 and 16-31 of row r over the `units` units of the packed rows `a`
-// and the weight block `w`
-template <typename T, int R>
-inline void tile(const uint32_t* a, const T* w, int64_t units, __m512* acc) {
-  __m512 c[2 * R];
-#pragma GCC unroll 16
-  for (int r = 0; r < 2 * R; ++r) c[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < units; ++i) {
-    const uint32_t* ai = a + i * MR;
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-#if defined(__AVX512BF16__)
-      const int16_t* wp = reinterpret_cast<const int16_t*>(w) + i * 64;
-      __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(ai[r]));
-        c[2 * r] = _mm512_dpbf16_ps(c[2 * r], x, w0);
-        c[2 * r + 1] = _mm512_dpbf16_ps(c[2 * r + 1], x, w1);
-      }
-#endif
-    } else {
-      __m512 w0 = _mm512_loadu_ps(w + i * NB), w1 = _mm512_loadu_ps(w + i * NB + 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        __m512 x = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(ai[r])));
-        c[2 * r] = _mm512_fmadd_ps(x, w0, c[2 * r]);
-        c[2 * r + 1] = _mm512_fmadd_ps(x, w1, c[2 * r + 1]);
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < 2 * R; ++r) acc[r] = c[r];
-}
-
-template <typename T>
-inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, __m512* acc) {
-  switch (n) {
-    case 1: tile<T, 1>(a, w, units, acc); break;
-    case 2: tile<T, 2>(a, w, units, acc); break;
-    case 3: tile<T, 3>(a, w, units, acc); break;
-    case 4: tile<T, 4>(a, w, units, acc); break;
-    case 5: tile<T, 5>(a, w, units, acc); break;
-    case 6: tile<T, 6>(a, w, units, acc); break;
-    case 7: tile<T, 7>(a, w, units, acc); break;
-    default: tile<T, 8>(a, w, units, acc); break;
-  }
-}
 
 // 0: silu(gate) * up; 1: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
 inline __m512 activation(__m512 gate, __m512 up, int kind, float alpha, float limit) {
@@ -156,42 +99,45 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e) {
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
-        const int64_t g = group0[e] + (p - start[e]) / MR, r = (p - start[e]) % MR;
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(xp + token_of[p] * H);
-        uint32_t* dst = a1.data() + g * u1 * MR + r;
-        for (int64_t i = 0; i < u1; ++i) dst[i * MR] = row[i];
+        const int64_t g = group0[e] + (p - start[e]) / MR;
+        pack_row(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1, static_cast<int>((p - start[e]) % MR),
+                 a1.data() + g * u1 * MR);
       }
     }
   });
+  int64_t most = 0;  // rows of the busiest expert
+  for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
+  const int64_t most_pad = (most + MR - 1) / MR * MR;
   // phase 1: gate/up and the activation, by blocks of 16 intermediate columns
   at::parallel_for(0, nb1, 1, [&](int64_t b0, int64_t b1) {
-    __m512 acc[2 * MR];
+    std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = start[e + 1] - start[e];
+      if (rows == 0) continue;
       for (int64_t b = b0; b < b1; ++b) {
-        const T* wblk = w13p + (e * nb1 + b) * H * NB;
         const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
+        block_gemm<T>(a1.data() + group0[e] * u1 * MR, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data());
         __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
         if (b13p != nullptr) {
           bg = load16(b13p + e * 2 * inter + col, static_cast<int>(ncols));
           bu = load16(b13p + e * 2 * inter + inter + col, static_cast<int>(ncols));
         }
-        for (int64_t g = group0[e]; g < group0[e + 1]; ++g) {
-          const int n = static_cast<int>(std::min<int64_t>(MR, start[e + 1] - start[e] - (g - group0[e]) * MR));
-          tile_rows<T>(n, a1.data() + g * u1 * MR, wblk, u1, acc);
-          for (int r = 0; r < n; ++r) {
-            __m512 v = activation(_mm512_add_ps(acc[2 * r], bg), _mm512_add_ps(acc[2 * r + 1], bu), act, a, l);
-            store_packed<T>(a2.data() + g * u2 * MR, col, r, v);
-          }
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* gu = acc.data() + r * NB;
+          __m512 v = activation(_mm512_add_ps(_mm512_loadu_ps(gu), bg), _mm512_add_ps(_mm512_loadu_ps(gu + 16), bu),
+                                act, a, l);
+          store_packed<T>(a2.data() + (group0[e] + r / MR) * u2 * MR, col, static_cast<int>(r % MR), v);
         }
       }
     }
   });
   // phase 2: the down projection, by blocks of 32 hidden columns
   at::parallel_for(0, nb2, 1, [&](int64_t c0, int64_t c1) {
-    __m512 acc[2 * MR];
+    std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = start[e + 1] - start[e];
+      if (rows == 0) continue;
       for (int64_t c = c0; c < c1; ++c) {
-        const T* wblk = w2p + (e * nb2 + c) * ipad * NB;
         const int64_t col = c * NB;
         const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col)));
         const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col - 16)));
@@ -200,15 +146,12 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
           bias0 = load16(b2p + e * H + col, n0);
           if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
         }
-        for (int64_t g = group0[e]; g < group0[e + 1]; ++g) {
-          const int64_t p0 = start[e] + (g - group0[e]) * MR;
-          const int n = static_cast<int>(std::min<int64_t>(MR, start[e + 1] - p0));
-          tile_rows<T>(n, a2.data() + g * u2 * MR, wblk, u2, acc);
-          for (int r = 0; r < n; ++r) {
-            float* y = yp + (p0 + r) * H + col;
-            store16(y, _mm512_add_ps(acc[2 * r], bias0), n0);
-            if (n1 > 0) store16(y + 16, _mm512_add_ps(acc[2 * r + 1], bias1), n1);
-          }
+        block_gemm<T>(a2.data() + group0[e] * u2 * MR, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          float* y = yp + (start[e] + r) * H + col;
+          const float* o = acc.data() + r * NB;
+          store16(y, _mm512_add_ps(_mm512_loadu_ps(o), bias0), n0);
+          if (n1 > 0) store16(y + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), bias1), n1);
         }
       }
     }

@@ -10,6 +10,7 @@ namespace afd {
 bool moe_supported(c10::ScalarType dt);
 bool attention_supported(c10::ScalarType dt);
 bool layers_supported(c10::ScalarType dt);
+bool linear_supported(c10::ScalarType dt);
 
 namespace {
 
@@ -17,6 +18,7 @@ bool supported(const std::string& kernel, c10::ScalarType dt) {
   if (kernel == "fused_moe") return moe_supported(dt);
   if (kernel == "paged_attention") return attention_supported(dt);
   if (kernel == "rms_norm" || kernel == "rope_cache") return layers_supported(dt);
+  if (kernel == "linear") return linear_supported(dt);
   return false;
 }
 

@@ -1,0 +1,94 @@
+// A linear layer over a packed weight (gemm.h): y = x W^T (+ bias), the projections and the LM head.
+// One call packs the rows of x once and splits the column blocks between the threads: each thread
+// streams a disjoint part of the weight once. The output may be float32 whatever x's dtype (the
+// LM head's logits, without a rounding to bfloat16 and a copy).
+#include "gemm.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace afd {
+
+bool linear_supported(c10::ScalarType dt) {
+  if (dt == at::kFloat) return kHaveAvx512;
+  if (dt == at::kBFloat16) return kHaveAvx512 && kHaveAvx512Bf16;
+  return false;
+}
+
+namespace {
+
+#if defined(__AVX512F__)
+
+template <typename T, typename O>
+void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                 at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
+  const int64_t groups = (M + MR - 1) / MR;
+  std::vector<uint32_t> a(groups * units * MR, 0);
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t r = 0; r < MR && g * MR + r < M; ++r) pack_row(xp + (g * MR + r) * units, units, r, a.data() + g * units * MR);
+    }
+  });
+  const T* wp = w.data_ptr<T>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  O* op = out.data_ptr<O>();
+  at::parallel_for(0, nblocks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> acc(groups * MR * NB);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t col = c * NB;
+      const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
+      const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
+      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data());
+      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      if (bp != nullptr) {
+        b0 = load16(bp + col, n0);
+        if (n1 > 0) b1 = load16(bp + col + 16, n1);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        const float* o = acc.data() + r * NB;
+        store16(op + r * n + col, _mm512_add_ps(_mm512_loadu_ps(o), b0), n0);
+        if (n1 > 0) store16(op + r * n + col + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), b1), n1);
+      }
+    }
+  });
+}
+
+#endif  // __AVX512F__
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                  c10::optional<at::ScalarType> out_dtype) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(linear_supported(dt), "afdserve linear: no kernel for ", dt, " on this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dt == at::kFloat || x.size(1) % 2 == 0),
+              "linear: x must be contiguous [M, K] (K even for bfloat16)");
+  TORCH_CHECK(w.scalar_type() == dt && w.is_contiguous() && w.size(0) * NB >= n && n > w.size(0) * NB - NB
+              && w.numel() == w.size(0) * x.size(1) * NB, "linear: w must be x's packed weight (afdserve.kernels.linear.pack)");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
+              "linear: bias must be float32 [N]");
+  const auto odt = out_dtype.value_or(dt);
+  TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(odt));
+  if (x.size(0) == 0) return out;
+#if defined(__AVX512F__)
+  if (dt == at::kFloat) {
+    linear_impl<float, float>(x, w, bias, n, out);
+  } else if (odt == at::kFloat) {
+    linear_impl<at::BFloat16, float>(x, w, bias, n, out);
+  } else {
+    linear_impl<at::BFloat16, at::BFloat16>(x, w, bias, n, out);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+}  // namespace afd
+
+TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, ScalarType? out_dtype) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) { m.impl("linear", &afd::linear); }
