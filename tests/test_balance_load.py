@@ -115,3 +115,19 @@ def test_merge_and_json(tmp_path):
 def test_rejects_bad_layer():
     with pytest.raises(ConfigError):
         LoadTracker(2, 4).record(2, torch.tensor([[0]]))
+
+
+def test_coactivation_is_sampled_and_scaled_to_the_window():
+    """Co-activation is recorded in one step of every ``coactivation_every`` (tracking costs one
+    update per layer in the others); the snapshot scales it to all of the window's steps."""
+    ids = torch.tensor([[0, 1], [0, 1], [2, 3]])
+    every = LoadTracker(1, 4, window=64, coactivation_every=4)
+    always = LoadTracker(1, 4, window=64, coactivation_every=1)
+    for _ in range(16):
+        for t in (every, always):
+            t.record(0, ids)
+            t.step()
+    a, b = every.snapshot(), always.snapshot()
+    assert np.array_equal(a.tokens, b.tokens) and a.steps == b.steps == 16
+    assert np.array_equal(a.coactivation, b.coactivation)  # the same routing every step: exact
+    assert b.coactivation[0, 0, 1] == 32 and b.coactivation[0, 2, 3] == 16

@@ -69,6 +69,9 @@ class EngineConfig:
     comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
     comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer (per 256 tokens in flight)
     on_expert_loss: str = "wait"  # while a lost expert worker is replaced: "wait" for it, or "drop" its experts
+    # the largest share of the LM head's vocabulary the expert workers compute (each attention worker
+    # balances its share within [0, this] by measured busy time; 0: all on the attention workers)
+    lm_head_share: float = 0.75
     heartbeat_timeout_ms: float = 3000.0  # a worker silent this long (dead, stopped) is fenced and replaced
     startup_timeout_s: float = 300.0
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
@@ -114,6 +117,8 @@ class EngineConfig:
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
               "must be > 0")
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
+        check("lm_head_share", isinstance(self.lm_head_share, (int, float)) and not isinstance(self.lm_head_share, bool)
+              and 0 <= self.lm_head_share < 1, "must be a fraction in [0, 1)")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")
         check("cluster", self.cluster in ("local", "ray"), "use 'local' or 'ray'")

@@ -137,6 +137,10 @@ class LoadTracker:
     (the default) a snapshot covers exactly the last ``window`` steps (the one in progress and the
     ``window - 1`` before it). Fewer slots trade window
     precision for memory: the co-activation ring takes ``4 * slots * L * E * E`` bytes on ``device``.
+
+    Co-activation (``k * (k-1) / 2`` pairs per token) is sampled: recorded in one step of every
+    ``coactivation_every`` and scaled up to the window's steps in the snapshot, so that tracking costs
+    one small update per layer in most steps.
     """
 
     def __init__(
@@ -147,6 +151,7 @@ class LoadTracker:
         *,
         slots: int | None = None,
         coactivation: bool = True,
+        coactivation_every: int = 8,
         device: torch.device | str = "cpu",
     ) -> None:
         slots = window if slots is None else slots
@@ -167,6 +172,9 @@ class LoadTracker:
             # symmetrises, so each token adds k*(k-1)/2 entries instead of k*(k-1).
             self._coact = torch.zeros(slots, num_layers, num_experts * num_experts, dtype=torch.int32, device=self.device)
         self._slot_steps = [0] * slots
+        self._coact_steps = [0] * slots  # of them, steps whose co-activation was recorded
+        self.coactivation_every = max(1, int(coactivation_every))
+        self._step_no = 0
         self._cur = 0
         self._pending = False  # something was recorded in the step in progress
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -192,7 +200,7 @@ class LoadTracker:
         # index_add_ rather than bincount: CUDA bincount reads the max id back to the host
         flat_ids = ids.reshape(-1)
         self._tokens[self._cur, layer].index_add_(0, flat_ids, self._ones_like(flat_ids.numel(), torch.int64))
-        if self._coact is not None and ids.shape[1] > 1:
+        if self._coact is not None and ids.shape[1] > 1 and self._step_no % self.coactivation_every == 0:
             first, second = self._pair_index(ids.shape[1])
             flat = (ids[:, first] * e + ids[:, second]).reshape(-1)
             self._coact[self._cur, layer].index_add_(0, flat, self._ones_like(flat.numel(), torch.int32))
@@ -208,9 +216,12 @@ class LoadTracker:
         """Marks the end of one engine step; every ``window // slots`` steps the ring advances."""
         self._pending = False
         self._slot_steps[self._cur] += 1
+        self._coact_steps[self._cur] += self._step_no % self.coactivation_every == 0
+        self._step_no += 1
         if self._slot_steps[self._cur] >= self.steps_per_slot:
             self._cur = (self._cur + 1) % self.slots
             self._slot_steps[self._cur] = 0
+            self._coact_steps[self._cur] = 0
             self._tokens[self._cur].zero_()
             if self._coact is not None:
                 self._coact[self._cur].zero_()
@@ -220,6 +231,8 @@ class LoadTracker:
         if self._coact is not None:
             self._coact.zero_()
         self._slot_steps = [0] * self.slots
+        self._coact_steps = [0] * self.slots
+        self._step_no = 0
         self._cur = 0
         self._pending = False
 
@@ -234,4 +247,7 @@ class LoadTracker:
             sym.diagonal(dim1=1, dim2=2).zero_()  # a token never picks an expert twice
             co = sym.cpu().numpy()
         steps = sum(self._slot_steps) + (1 if self._pending else 0)
+        sampled = sum(self._coact_steps) + (1 if self._pending and self._step_no % self.coactivation_every == 0 else 0)
+        if co is not None and sampled and sampled != steps:  # the sampled steps, scaled up to the window
+            co = np.rint(co * (steps / sampled)).astype(np.int64)
         return LoadSnapshot(tokens=tokens, coactivation=co, steps=steps)

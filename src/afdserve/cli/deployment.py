@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a lost expert worker is replaced: wait for it (outputs unchanged; tokens of "
                         "replicated experts go to a replica meanwhile), or drop its experts (top-(K-1) routing "
                         "over the rest, counted in /metrics)")
+    d.add_argument("--lm-head-share", type=float, default=0.75, metavar="F",
+                   help="largest share of the LM head's vocabulary computed on the expert workers; each attention "
+                        "worker balances the share it sends by measured busy time (0: all on attention workers)")
     d.add_argument("--heartbeat-timeout-ms", type=float, default=3000.0, metavar="MS",
                    help="how long the front end waits for a worker's heartbeat before it fences and replaces it "
                         "(a stalled or stopped process)")
@@ -78,6 +81,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),
               on_expert_loss=getattr(args, "on_expert_loss", "wait"),
+              lm_head_share=getattr(args, "lm_head_share", 0.75),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)

@@ -28,6 +28,7 @@ from torch import nn
 from afdserve import kernels
 from afdserve.kernels.linear import linear as kernel_linear
 from afdserve.kernels.linear import pack
+from afdserve.kernels.packing import BLOCK
 
 # the batch size oneDNN is told to optimise the layout for (the decode batch of a few to a few
 # hundred rows; measured not to matter much between 16 and 128)
@@ -92,6 +93,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, l
     else:
         y = F.linear(x, _layout(w, layout), bias)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, start: int, end: int,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ w[start:end].T``: the outputs ``[start, end)`` of ``w`` (a piece of the LM head), through
+    the packed copy of the whole of ``w`` (made once) where the kernel runs and ``start`` is a
+    multiple of 32; else as ``linear`` of the slice."""
+    if start % BLOCK == 0 and packs(x, w) and _kernel(x) and not torch.compiler.is_compiling():
+        packed = _packed_weight(w, PLAIN, True)[start // BLOCK: -(-end // BLOCK)]
+        y = kernel_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, end - start, None, out_dtype)
+        return y.view(*x.shape[:-1], end - start)
+    return linear(x, w[start:end], out_dtype=out_dtype)
 
 
 def forget(w: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
 from afdserve.model.layers import RMSNorm
-from afdserve.model.linear import Linear, linear
+from afdserve.model.linear import Linear, linear, linear_rows
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -134,7 +134,7 @@ class AttentionModel(nn.Module):
     def logits_slice(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
         """Vocabulary ``[start, end)`` of the logits of the normalized ``xn`` into ``out[:, start:end]``
         (float32): the LM head in pieces."""
-        out[:, start:end] = linear(xn, self.lm_head.weight[start:end], out_dtype=torch.float32)
+        out[:, start:end] = linear_rows(xn, self.lm_head.weight, start, end, torch.float32)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",
@@ -147,12 +147,10 @@ class AttentionModel(nn.Module):
         h, nh, nkv, hd, v = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         m.embed.weight.copy_(r.get("model.embed_tokens.weight", (v, h), dt))
         m.norm.weight.copy_(r.get("model.norm.weight", (h,), dt))
-        if "lm_head.weight" in r:
-            m.lm_head.weight.copy_(r.get("lm_head.weight", (v, h), dt))
-        elif cfg.tie_word_embeddings:
-            m.lm_head.weight = m.embed.weight
+        if "lm_head.weight" in r or not cfg.tie_word_embeddings:
+            m.lm_head.weight.copy_(read_lm_head(r, cfg, dt))
         else:
-            raise ModelError(f"{path}: missing tensor 'lm_head.weight'")
+            m.lm_head.weight = m.embed.weight
         for l in range(cfg.num_layers):
             p, a = f"model.layers.{l}.", m.attn[l]
             if cfg.mla is not None:  # DeepSeek: MLA attention (with its norms), then the MLP side
@@ -280,6 +278,16 @@ def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reade
             else:
                 part.set_weights(j, read_expert(reader, old.cfg, layer, e, old.dtype))
     return new
+
+
+def read_lm_head(r: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """The LM head [vocab, hidden] (the embeddings when the model ties them)."""
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    if "lm_head.weight" in r:
+        return r.get("lm_head.weight", shape, dtype)
+    if cfg.tie_word_embeddings:
+        return r.get("model.embed_tokens.weight", shape, dtype)
+    raise ModelError(f"{r.path}: missing tensor 'lm_head.weight'")
 
 
 def read_router(r: CheckpointReader, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> torch.Tensor:

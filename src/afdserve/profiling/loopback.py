@@ -36,7 +36,8 @@ class LoopbackLinks:
         self.hidden, self.dtype, self.on_recv = hidden, dtype, on_recv
         self.pending: dict[int, list[tuple[int, _Meta]]] = {}
 
-    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
+    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int],
+             ints: tuple[int, ...] = ()) -> None:
         step, mb, layer, _ = meta  # the reply answers this (step, micro-batch, layer), as an expert's does
         self.pending.setdefault(peer, []).append((int(tensors[0].shape[0]), _Meta(step, mb, layer)))
 

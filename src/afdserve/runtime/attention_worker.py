@@ -17,7 +17,7 @@ from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.links import Links, PeerFailure, regroup
+from afdserve.runtime.links import Links, PeerFailure, regroup, slot_bytes
 from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AttentionStats, GetStats, GetTrace, PeerLost,
                                        Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
@@ -43,7 +43,8 @@ class AttentionWorker:
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
-                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker)
+                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
+                                      lm_head_share=cfg.lm_head_share, lm_reply_bytes=slot_bytes(spec) - 64)
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)

@@ -1,10 +1,12 @@
-"""What an expert worker does with the tokens it received for one layer."""
+"""What an expert worker does with the tokens it received for one layer (and with a share of the
+LM head, when attention workers send one)."""
 
 from __future__ import annotations
 
 import torch
 
 from afdserve.balance.load import LoadTracker
+from afdserve.model.linear import linear_rows
 from afdserve.model.model import ExpertModel
 from afdserve.model.router import Router
 from afdserve.runtime.expert_map import ExpertMap
@@ -16,11 +18,19 @@ class ExpertCompute:
     expert map (of the version the sender used) says which (token, k) pairs are this worker's."""
 
     def __init__(self, experts: ExpertModel, routers: dict[int, Router] | None, worker: int,
-                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None):
+                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None, lm_head: torch.Tensor | None = None):
         self.experts, self.routers, self.worker, self.maps = experts, routers, worker, maps
+        self.lm_head = lm_head  # [vocab, hidden]: for the share of the LM head attention workers send
         self.tracker = tracker  # records logical routing when the gate runs here
         cfg = experts.cfg
         self.tokens_per_expert = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.int64)
+
+    @torch.inference_mode()
+    def logits(self, xn: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """float32 logits of the vocabulary ``[start, end)`` for the final normalized hidden states ``xn``."""
+        if self.lm_head is None:
+            raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
+        return linear_rows(xn.to(self.lm_head.device), self.lm_head, start, end, torch.float32)
 
     @torch.inference_mode()
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:

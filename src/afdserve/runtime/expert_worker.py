@@ -13,10 +13,10 @@ from afdserve.balance.load import LoadTracker
 from afdserve.engine.host_memory import keep_freed_memory
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
-from afdserve.model.model import ExpertModel, load_routers, regroup_experts
+from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.expert_compute import ExpertCompute
-from afdserve.runtime.links import Links, PeerFailure, regroup
+from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
                                        Shutdown, StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.trace import Tracer, idle_span
@@ -42,7 +42,11 @@ class ExpertWorker:
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
-        self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker)
+        lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_share > 0 else None
+        self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
+                                     lm_head)
+        self.lm_layer = model_cfg.num_layers  # the layer index of LM head shares
+        self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
         # a deferred replacement connects on its first Regroup (its peers serve around it meanwhile)
         self.links: Links | None = None if spec.deferred else Links.connect(spec, peers=self.peers)
@@ -55,7 +59,8 @@ class ExpertWorker:
             msgs = []
             if not self.waiting_for_regroup and self.links is not None:
                 try:
-                    msgs = self.links.gather(0.05)
+                    # everything each peer has sent: the same layer of several lanes is computed at once
+                    msgs = self.links.gather(0.05, limit=max_micro_batches(self.spec.config.micro_batches))
                 except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
                     self._lost(e, ctl)
             links = self.links
@@ -112,21 +117,33 @@ class ExpertWorker:
             raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
 
     def _round(self, msgs: list[tuple[int, Any]]) -> None:
-        """One message from each attention worker that sent one; tokens of a layer are merged."""
+        """The messages that came (several per attention worker: its lanes); the tokens of the same
+        layer are computed at once, and each sender gets its part back."""
         assert self.links is not None  # messages came over them
         by_layer: dict[tuple[int, int], list[tuple[int, Any]]] = {}
         for i, msg in msgs:  # merged per (layer, map version)
             by_layer.setdefault((msg.meta.layer, msg.meta.tag), []).append((i, msg))
         for (layer, _), group in by_layer.items():
+            t0 = time.perf_counter_ns()
+            if layer == self.lm_layer:  # shares of the LM head: each sender's own vocabulary range
+                with self.tracer.span("expert", layer=layer, phase="lm_head", senders=len(group)):
+                    outs = [self.compute.logits(m.tensors[0], m.meta.ints[0], m.meta.ints[1]) for _, m in group]
+                self._reply(group, outs, layer, t0)
+                continue
             mbs = sorted({m.meta.microbatch for _, m in group})
             with self.tracer.span("expert", layer=layer, mb=mbs[0] if len(mbs) == 1 else str(mbs),
                                   tokens=sum(m.tensors[0].shape[0] for _, m in group), senders=len(group)):
                 outs = self.compute.run(layer, [m.tensors for _, m in group], group[0][1].meta.tag)
-            with self.tracer.span("send", layer=layer):
-                for (i, msg), out in zip(group, outs):
-                    meta = msg.meta
-                    msg.release()
-                    self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0))
+            self._reply(group, outs, layer, t0)
+
+    def _reply(self, group: list[tuple[int, Any]], outs: list[torch.Tensor], layer: int, t0: int) -> None:
+        assert self.links is not None
+        self.busy_ns += time.perf_counter_ns() - t0
+        with self.tracer.span("send", layer=layer):
+            for (i, msg), out in zip(group, outs):
+                meta = msg.meta
+                msg.release()
+                self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0), (self.busy_ns // 1000,))
 
     def close(self) -> None:
         if self.links is not None:

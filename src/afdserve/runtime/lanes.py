@@ -28,6 +28,7 @@ class _Task:
     step: StepInputs
     run: Generator[Dispatch | None, None, None]
     t0_ns: int
+    waiting: Dispatch | None = None  # the dispatch it yielded, until it is resumed
 
 
 class Lanes:
@@ -55,13 +56,14 @@ class Lanes:
         to do but wait for the experts, waits for their next reply up to ``timeout``."""
         run = self.runner
         if run.in_flight:
-            self.ready.extend(d.lane for d in run.poll(0.0))
+            self._completed(run.poll(0.0))
         if self.ready:
             return self._resume(self.ready.popleft())
         if begin and not self.nothing_to_begin:  # a new step gives the experts work at once
             lane = next((i for i in range(run.m) if i not in self.tasks), None)
             if lane is not None:
-                step = self.engine.begin(run.m)
+                with self.tracer.span("engine", phase="begin"):
+                    step = self.engine.begin(run.m)
                 if step is not None:
                     self.tasks[lane] = _Task(step, self._task(lane, step), time.time_ns())
                     return self._resume(lane)
@@ -71,11 +73,19 @@ class Lanes:
             # finish one after the other, and stay staggered by about half a step from then on
             return self._resume(self.runnable.pop())
         if run.in_flight:
-            self.ready.extend(d.lane for d in run.poll(timeout))
+            self._completed(run.poll(timeout))
+
+    def _completed(self, done: list[Dispatch]) -> None:
+        """Lanes waiting on these dispatches are ready (a dispatch may complete before its lane
+        yields it: it sends its LM head share, then computes its own part)."""
+        for d in done:
+            task = self.tasks.get(d.lane)
+            if task is not None and task.waiting is d:
+                self.ready.append(d.lane)
 
     def abandon(self) -> None:
         """Drops every step in flight (a peer was lost): they run again once the links are new."""
-        self.runner.reset()
+        self.runner.reset([t.waiting for t in self.tasks.values() if t.waiting is not None])
         for task in self.tasks.values():
             task.run.close()
             self.engine.cancel(task.step)
@@ -87,10 +97,14 @@ class Lanes:
     def _task(self, lane: int, step: StepInputs) -> Generator[Dispatch | None, None, None]:
         logits = yield from self.runner.run(lane, self.runner.next_step(), step.input_ids, step.meta, step.rows)
         yield None  # sampling after the lanes whose replies came
-        self.emit(self.engine.finish(step, logits))
+        with self.tracer.span("engine", phase="finish", mb=lane):
+            outs = self.engine.finish(step, logits)
+        with self.tracer.span("engine", phase="emit", mb=lane):
+            self.emit(outs)
 
     def _resume(self, lane: int) -> None:
         task = self.tasks[lane]
+        task.waiting = None
         try:
             waits = task.run.send(None)
         except StopIteration:
@@ -102,3 +116,7 @@ class Lanes:
             return
         if waits is None:
             self.runnable.append(lane)
+            return
+        task.waiting = waits  # (its replies are released by abandon if it never resumes)
+        if waits.complete:
+            self.ready.append(lane)

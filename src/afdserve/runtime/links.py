@@ -21,13 +21,24 @@ PeerFailure = PeerError  # a peer died, closed or stalled past the deadline; the
 
 
 def slot_bytes(spec: WorkerSpec) -> int:
-    """Largest payload of one message: every token of a step's micro-batch with its hidden state
-    (float32 at most) plus top-k ids and weights; with 64-byte alignment slack per tensor."""
+    """Largest payload of one message a worker receives: every token of a step's micro-batch with
+    its hidden state (float32 at most) plus top-k ids and weights; for an attention worker also the
+    expert workers' share of the LM head's logits (float32) for a step's sequences. With 64-byte
+    alignment slack per tensor."""
     from afdserve.model.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(spec.model_path)
-    tokens = spec.config.max_num_batched_tokens
-    return tokens * (cfg.hidden_size * 4 + cfg.top_k * 8) + 4 * 64
+    c = spec.config
+    need = c.max_num_batched_tokens * (cfg.hidden_size * 4 + cfg.top_k * 8)
+    if spec.role == "attention":
+        need = max(need, lm_reply_rows(c.max_num_seqs) * -(-int(cfg.vocab_size * c.lm_head_share) // 32) * 32 * 4)
+    return need + 4 * 64
+
+
+def lm_reply_rows(max_num_seqs: int) -> int:
+    """Rows of LM-head logits an expert worker's reply is sized for (a lane step with more rows
+    computes a smaller share remotely)."""
+    return max_num_seqs
 
 
 def max_micro_batches(started_with: int) -> int:
@@ -57,10 +68,11 @@ class Links:
         comm.connect(send_to=present, recv_from=present)
         return cls(comm, peers, present)
 
-    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int]) -> None:
+    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int],
+             ints: tuple[int, ...] = ()) -> None:
         step, mb, layer, tag = meta
         self.comm.send(self.peers[peer], tensors, Meta(step=step, microbatch=mb, layer=layer,
-                                                       num_tokens=tensors[0].shape[0], tag=tag))
+                                                       num_tokens=tensors[0].shape[0], tag=tag, ints=ints))
 
     def recv(self, peer: int, timeout: float) -> Message:
         return self.comm.recv(self.peers[peer], timeout=timeout)
@@ -72,21 +84,22 @@ class Links:
         msg = self.comm.recv_any([self.peers[j] for j in peers], timeout=timeout)
         return self.peers.index(msg.peer), msg
 
-    def gather(self, timeout: float) -> list[tuple[int, Message]]:
-        """Waits up to ``timeout`` for a first message, then takes the messages other peers have
-        already delivered: one per peer (empty list when nothing came)."""
+    def gather(self, timeout: float, limit: int = 1) -> list[tuple[int, Message]]:
+        """Waits up to ``timeout`` for a first message, then takes the messages every peer has
+        already delivered, up to ``limit`` per peer, in each peer's order (empty list when nothing came)."""
         try:
             first = self.comm.recv_any(self.present, timeout=timeout)
         except PeerTimeoutError:
             return []
         got = [(self.peers.index(first.peer), first)]
         for i, name in enumerate(self.peers):
-            if name == first.peer or name not in self.present:
+            if name not in self.present:
                 continue
-            try:
-                got.append((i, self.comm.recv(name, timeout=0.0)))
-            except PeerTimeoutError:
-                pass
+            for _ in range(limit - (name == first.peer)):
+                try:
+                    got.append((i, self.comm.recv(name, timeout=0.0)))
+                except PeerTimeoutError:
+                    break
         return got
 
     def transport(self, peer: int) -> str:

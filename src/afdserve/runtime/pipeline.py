@@ -10,8 +10,7 @@ order per worker) and returns the dispatches they complete. ``forward`` runs one
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +36,8 @@ class Part:
 
     worker: int
     rows: torch.Tensor | None  # token rows it got (None: all)
-    reply: Any = None  # the Message (its tensors are views of the registered slot)
+    reply: Any = None  # the Message (its tensors are views of the registered slot); True once sunk
+    sink: Callable[[torch.Tensor], None] | None = None  # takes the reply's tensor at once (then released)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Dispatch:
 class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
                  micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
-                 tracker: LoadTracker | None = None):
+                 tracker: LoadTracker | None = None, lm_head_share: float = 0.0, lm_reply_bytes: int = 0):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
         self.version = 0  # of the expert map; sent with every dispatch
         self.tracker = tracker
@@ -72,7 +72,10 @@ class PipelinedRunner:
         self.full_map = expert_map  # the map without missing workers
         self.lost: torch.Tensor | None = None  # bool [L, E]: experts no live worker holds (dropped)
         self.dropped = 0  # (token, k) assignments dropped since the last report
-        self._expect: dict[int, deque[tuple[Dispatch, Part]]] = {}  # per expert worker: replies due, in order
+        # per expert worker: the replies due, by (step, lane, layer); a worker may answer the
+        # dispatches of different lanes out of order (it merges the same layer's tokens)
+        self._expect: dict[int, dict[tuple[int, int, int], tuple[Dispatch, Part]]] = {}
+        self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -108,43 +111,60 @@ class PipelinedRunner:
             peers = [j for j, q in self._expect.items() if q]
             if not peers:
                 return done
+            t0 = time.perf_counter_ns()
             try:
                 j, msg = self.links.recv_any(peers, wait)
             except PeerTimeoutError:
-                d, part = min((q[0] for q in self._expect.values() if q), key=lambda x: x[0].deadline)
+                self.lm.waited(time.perf_counter_ns() - t0)
+                d, part = min((x for q in self._expect.values() for x in q.values()), key=lambda x: x[0].deadline)
                 if done or time.monotonic() < d.deadline:
                     return done
                 raise PeerTimeoutError(self.links.peers[part.worker],
                                        f"no reply for step {d.step} micro-batch {d.lane} layer {d.layer} before the "
                                        f"deadline") from None
-            d, part = self._expect[j].popleft()
-            if (msg.meta.step, msg.meta.microbatch, msg.meta.layer) != (d.step, d.lane, d.layer):
+            self.lm.waited(time.perf_counter_ns() - t0)
+            if msg.meta.ints:
+                self.lm.expert_busy(j, msg.meta.ints[0])
+            key = (msg.meta.step, msg.meta.microbatch, msg.meta.layer)
+            hit = self._expect[j].pop(key, None)
+            if hit is None:
                 msg.release()
-                raise RuntimeError(f"expert worker {j} answered step {msg.meta.step} micro-batch {msg.meta.microbatch}"
-                                   f" layer {msg.meta.layer}, expected ({d.step}, {d.lane}, {d.layer})")
+                raise RuntimeError(f"expert worker {j} answered step {key[0]} micro-batch {key[1]} layer {key[2]}, "
+                                   f"which is not in flight")
+            d, part = hit
             part.reply = msg
+            if part.sink is not None:  # copied out now: a reply the lane takes late holds no slot meanwhile
+                try:
+                    part.sink(msg.tensors[0])
+                finally:
+                    msg.release()
+                part.reply = True
             if d.complete:
                 done.append(d)
             wait = 0.0  # then whatever else has arrived, without waiting
 
     def collect(self, d: Dispatch) -> Dispatch:
-        """Waits for the replies of ``d``, the oldest dispatch to each of its workers (a caller that
-        drives one dispatch at a time)."""
+        """Waits for the replies of ``d``, the only dispatch in flight (a caller that drives one
+        dispatch at a time)."""
         for p in d.parts:
             q = self._expect[p.worker]
-            if not q or q[0][1] is not p:
-                raise RuntimeError("collect: an older dispatch to the same worker is still waiting")
-            q.popleft()
+            if len(q) != 1 or (d.step, d.lane, d.layer) not in q:
+                raise RuntimeError("collect: another dispatch to the same worker is in flight")
+            q.clear()
+            t0 = time.perf_counter_ns()
             p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
+            self.lm.waited(time.perf_counter_ns() - t0)
+            if p.reply.meta.ints:
+                self.lm.expert_busy(p.worker, p.reply.meta.ints[0])
         return d
 
-    def reset(self) -> None:
-        """Forgets every dispatch in flight (a peer was lost) and gives back the replies held."""
-        for q in self._expect.values():
-            for d, _ in q:
-                for p in d.parts:
-                    if p.reply is not None:
-                        p.reply.release()
+    def reset(self, held: list[Dispatch] = ()) -> None:
+        """Forgets every dispatch in flight (a peer was lost) and gives back the replies held (also
+        those of ``held``: dispatches lanes were waiting on)."""
+        for d in [d for q in self._expect.values() for d, _ in q.values()] + list(held):
+            for p in d.parts:
+                if p.reply is not None and p.reply is not True:
+                    p.reply.release()
         self._expect.clear()
 
     @torch.inference_mode()
@@ -178,15 +198,33 @@ class PipelinedRunner:
             if d.parts:
                 yield d
             x = self.combine(d)
+        # the LM head: the expert workers' share of the vocabulary is sent first, this worker computes
+        # the rest in pieces meanwhile (other lanes run between them), then the shares are copied in
+        last = m.cfg.num_layers
         xn = m.final_norm(x[rows])
         logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
-        for start in range(0, m.cfg.vocab_size, LM_HEAD_PIECE):
-            end = min(start + LM_HEAD_PIECE, m.cfg.vocab_size)
-            with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
+        shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present())
+        local = shares[0][1] if shares else m.cfg.vocab_size
+        d = Dispatch(lane, step, last, xn, xn, deadline=time.monotonic() + self.timeout * max(1.0, xn.shape[0] / 256))
+        with tr.span("send", mb=lane, layer=last):
+            for j, a, b in shares:
+                self._send(d, j, None, [xn], (step, lane, last, self.version), (a, b), count=False,
+                           sink=lambda t, a=a, b=b: logits[:, a:b].copy_(t))
+        for start in range(0, local, LM_HEAD_PIECE):
+            end = min(start + LM_HEAD_PIECE, local)
+            with tr.span("attention", mb=lane, layer=last, phase="lm_head"):
                 m.logits_slice(xn, start, end, logits)
-            if end < m.cfg.vocab_size:
-                yield None
+            yield None
+        if d.parts:
+            yield d  # its replies are copied into the logits as they come
+        self.lm.step_done()
         return logits
+
+    def _present(self) -> list[int]:
+        """The expert workers connected now."""
+        links = self.links
+        present = getattr(links, "present", None)
+        return [j for j, name in enumerate(getattr(links, "peers", [])) if present is None or name in present]
 
     def dispatch(self, lane: int, step: int, layer: int, h: torch.Tensor, y: torch.Tensor,
                  ids: torch.Tensor | None, w: torch.Tensor | None) -> Dispatch:
@@ -228,12 +266,14 @@ class PipelinedRunner:
         return d
 
     def _send(self, d: Dispatch, worker: int, rows: torch.Tensor | None, tensors: list[torch.Tensor],
-              meta: tuple[int, int, int, int]) -> None:
-        self.links.send(worker, tensors, meta)
-        self.tokens_per_worker[worker] += d.y.shape[0] if rows is None else rows.numel()
-        part = Part(worker, rows)
+              meta: tuple[int, int, int, int], ints: tuple[int, ...] = (), count: bool = True,
+              sink: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.links.send(worker, tensors, meta, ints)
+        if count:
+            self.tokens_per_worker[worker] += d.y.shape[0] if rows is None else rows.numel()
+        part = Part(worker, rows, sink=sink)
         d.parts.append(part)
-        self._expect.setdefault(worker, deque()).append((d, part))
+        self._expect.setdefault(worker, {})[(d.step, d.lane, d.layer)] = (d, part)
 
     def combine(self, d: Dispatch) -> torch.Tensor:
         """The layer's output from its dispatch's replies (read in place from the registered slots)."""
@@ -258,6 +298,56 @@ class PipelinedRunner:
         finally:
             for p in d.parts:
                 p.reply.release()
+
+
+class LMHeadShare:
+    """How much of the LM head's vocabulary an attention worker sends to the expert workers: a share
+    in [0, ``limit``] moved, about every ``WINDOW_S``, toward balancing this worker's busy fraction
+    (the time it did not wait for replies) against the busiest expert worker's (reported with every
+    reply). A share must fit the reply slots: ``reply_bytes`` per float32 reply."""
+
+    WINDOW_S = 0.05
+    GAIN = 0.5
+
+    def __init__(self, limit: float, reply_bytes: int):
+        self.limit, self.reply_bytes = limit, reply_bytes
+        self.share = limit  # starts at the limit; the balance moves it
+        self._t0 = time.perf_counter_ns()
+        self._waited = 0
+        self._busy: dict[int, int] = {}  # per expert worker: busy microseconds it reported last
+        self._busy0: dict[int, int] = {}  # ... at the window's start
+
+    def shares(self, rows: int, vocab: int, workers: list[int]) -> list[tuple[int, int, int]]:
+        """``(worker, start, end)`` of the vocabulary each expert worker computes for ``rows`` rows
+        (ascending; this worker computes ``[0, first start)``); [] for none."""
+        if self.share <= 0 or not workers or rows == 0:
+            return []
+        remote = min(int(vocab * self.share), self.reply_bytes // (rows * 4) * len(workers))
+        start = -(-(vocab - remote) // 32) * 32  # whole blocks of 32 of the packed weight
+        if start >= vocab:
+            return []
+        cuts = [start + (vocab - start) * i // len(workers) // 32 * 32 for i in range(len(workers))] + [vocab]
+        return [(j, cuts[i], cuts[i + 1]) for i, j in enumerate(workers) if cuts[i + 1] > cuts[i]]
+
+    def waited(self, ns: int) -> None:
+        self._waited += ns
+
+    def expert_busy(self, worker: int, busy_us: int) -> None:
+        self._busy[worker] = busy_us
+        self._busy0.setdefault(worker, busy_us)
+
+    def step_done(self) -> None:
+        """A step's logits are done: at the end of a window, move the share."""
+        now = time.perf_counter_ns()
+        wall = now - self._t0
+        if wall < self.WINDOW_S * 1e9:
+            return
+        if self.limit > 0 and self._busy:
+            mine = 1.0 - self._waited / wall
+            theirs = max(min(1.0, (self._busy[j] - self._busy0[j]) * 1e3 / wall) for j in self._busy)
+            self.share = min(self.limit, max(0.0, self.share + self.GAIN * (mine - theirs)))
+        self._t0, self._waited = now, 0
+        self._busy0 = dict(self._busy)
 
 
 def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
