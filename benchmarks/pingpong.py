@@ -115,19 +115,26 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     return out
 
 
+def decode_windows(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> list[tuple[float, float]]:
+    """The stretches of the trace where the attention workers ran decode steps (steps of at most
+    ``batch`` tokens: the lanes' steps overlap, so their spans are merged), run with ``m``
+    micro-batches if given."""
+    steps = sorted(((e["ts"], e["ts"] + e["dur"]) for evs in spans.values() for e in evs if e["name"] == "step"
+                    and 0 < e["args"].get("tokens", 0) <= batch and (m is None or e["args"].get("m") == m)))
+    merged: list[tuple[float, float]] = []
+    for lo, hi in steps:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
 def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
-    """Each worker's busy fraction over the trace's pure-decode steps (``batch`` tokens per step;
-    only steps run with ``m`` micro-batches if given; the first decode step of each run, which fills
-    the pipeline, is left out)."""
+    """Each worker's busy fraction over the trace's decode stretches (``decode_windows``)."""
     from afdserve.runtime.trace_plot import usage
 
-    steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
-    windows, prev_decode = [], False
-    for e in steps:
-        decode = e["args"].get("tokens") == batch and (m is None or e["args"].get("m") == m)
-        if decode and prev_decode:
-            windows.append((e["ts"], e["ts"] + e["dur"]))
-        prev_decode = decode
+    windows = decode_windows(spans, batch, m)
     if not windows:
         return None
     busy: dict[str, float] = {}
@@ -139,24 +146,21 @@ def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) 
 
 
 def draw_steps(trace: str, batch: int, ms: list[int], out_dir: str, steps: int = 2) -> None:
-    """``pingpong_m{m}.png``: the timeline of ``steps`` steady decode steps run with m micro-batches."""
+    """``pingpong_m{m}.png``: the timeline of about ``steps`` steady decode steps run with m micro-batches."""
     from afdserve.runtime.trace_plot import load, plot, steady_window
 
     spans = load(trace)  # a second read of the trace (measure's was for the busy fractions)
     lo, _ = steady_window(spans, trim=0.0)
-    all_steps = sorted((e for evs in spans.values() for e in evs if e["name"] == "step"), key=lambda e: e["ts"])
     for m in ms:
-        run = [e for e in all_steps if e["args"].get("tokens") == batch and e["args"].get("m") == m]
-        if len(run) < steps + 3:
+        windows = decode_windows(spans, batch, m)
+        run = sorted((e for evs in spans.values() for e in evs if e["name"] == "step" and e["args"].get("m") == m
+                      and 0 < e["args"].get("tokens", 0) <= batch), key=lambda e: e["ts"])
+        if not windows or len(run) < steps + 3:
             continue
         first = run[len(run) // 2]  # a step in the middle of the measured windows
-        i = all_steps.index(first)
-        if any(e["args"].get("m") != m or e["args"].get("tokens") != batch for e in all_steps[i:i + steps]):
-            continue
-        end = all_steps[i + steps - 1]
         out = os.path.join(out_dir, f"pingpong_m{m}.png")
-        plot(spans, out, (first["ts"] - lo) / 1e3, (end["ts"] + end["dur"] - first["ts"]) / 1e3,
-             title=f"m = {m}: {steps} decode steps (batch {batch}; numbers: micro-batch)")
+        plot(spans, out, (first["ts"] - lo) / 1e3, steps * first["dur"] / 1e3,
+             title=f"m = {m}: about {steps} decode steps (batch {batch}; numbers: micro-batch)")
         print(f"   timeline: {out}")
 
 

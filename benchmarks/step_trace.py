@@ -1,10 +1,11 @@
-"""Where a disaggregated decode step's time goes (1 attention + 1 expert worker, m micro-batches).
+"""Where a disaggregated decode's time goes (1 attention + 1 expert worker, m lanes of steps).
 
 Runs the deployment with ``--trace`` on the demo model (bf16, random token-id prompts, greedy, EOS
-ignored), one warm-up and one traced generate per batch size, then splits each pure decode step of
-the attention worker into the layers' attention, LM head, combines, sends, waits and the rest
-(scheduling, metadata, sampling, outputs), and the expert worker's into compute and idle, with the
-idle time at the step boundary apart (``afdserve.runtime.trace_steps``). Medians over the steps.
+ignored), one warm-up and one traced generate per batch size, then splits the decode window of each
+worker into its kinds of work, per step of the whole batch (``afdserve.runtime.trace_steps``): the
+attention worker's layers, LM head (its share), combines, sends, engine (scheduling, sampling,
+outputs) and the rest (waiting for replies); the expert worker's MoE layers, LM head share, sends
+and idle time.
 
     python benchmarks/step_trace.py [--batches 64,256] [--threads 1] [--micro-batches 2] [--compile]
                                     [--json out/step_trace.json]
@@ -25,10 +26,10 @@ from afdserve.model.demo import demo_model_path
 from afdserve.runtime.trace_plot import load
 from afdserve.runtime.trace_steps import breakdown
 
-COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "LM head"),
-           ("engine_ms", "engine"), ("between_steps_ms", "between"), ("wait_ms", "attn wait"),
-           ("expert_busy_ms", "expert busy"), ("expert_idle_ms", "expert idle"),
-           ("expert_boundary_idle_ms", "of it at boundary")]
+COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "attn LM head"),
+           ("send_ms", "attn send"), ("engine_ms", "engine"), ("other_ms", "attn other"),
+           ("expert_busy_ms", "expert MoE"), ("expert_lm_head_ms", "expert LM head"), ("expert_send_ms", "expert send"),
+           ("expert_idle_ms", "expert idle")]
 
 
 def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:

@@ -15,6 +15,7 @@ class _Meta:
     step: int
     microbatch: int
     layer: int
+    ints: tuple[int, ...] = ()
 
 
 class _Reply:

@@ -251,8 +251,8 @@ class PipelinedRunner:
                     owner = torch.full_like(ids, -1, dtype=torch.int64)
                 else:  # route the lost pairs as any held expert, then take them out
                     owner = torch.where(lost, -1, self.map.route(layer, torch.where(lost, int(held[0, 0]), ids)))
-            elif self.map.num_workers == 1:  # one expert worker holds every expert: all tokens, as they are
-                self._send(d, 0, None, [y, ids, w], meta)
+            elif self.map.num_workers == 1:  # one expert worker holds every expert: all tokens, no gather
+                self._send(d, 0, None, [y, ids.to(torch.int32), w], meta)
                 return d
             else:
                 owner = self.map.route(layer, ids)
