@@ -3,9 +3,12 @@
 For each token count T and thread count, one expert layer (every expert of the layer held, top-k
 routing drawn uniformly) runs through:
 
+* ``fused``: the fused MoE kernel (``afdserve.kernels``: every routed pair in one call; the default
+  where the kernels are built);
 * ``grouped``: ``torch._grouped_mm`` over the tokens sorted by expert (packing off);
-* ``packed``: oneDNN GEMMs on prepacked weights, one call per projection of each expert with rows;
-* ``dense``: every held expert over every token in two packed GEMMs (``ExpertPart``; it still
+* ``packed``: GEMMs on prepacked weights (the linear kernel, else oneDNN), one call per projection of
+  each expert with rows;
+* ``dense``: every held expert over every token in two packed oneDNN GEMMs (``ExpertPart``; it still
   declines a batch expected to touch fewer than half the experts, e.g. T = 1 with top-2 of 8).
 
 Each round times every path once per layer of a stack of ``--layers`` expert layers (so weights come
@@ -32,13 +35,14 @@ from afdserve.model import linear
 from afdserve.model.demo import demo_model_path
 from afdserve.model.model import ExpertModel
 
-PATHS = ("grouped", "packed", "dense")
+PATHS = ("grouped", "packed", "dense", "fused")
 
 
 def _set_path(path: str) -> None:
     os.environ["AFDSERVE_PACKED_WEIGHTS"] = "0" if path == "grouped" else "1"
     linear.reset_packing(keep_packed=True)  # switching paths must not repack the weights
     experts_mod.DENSE_TOKENS_PER_THREAD = 1 << 30 if path == "dense" else 0
+    experts_mod.USE_FUSED_KERNEL = path == "fused"
 
 
 def main() -> None:
@@ -67,7 +71,7 @@ def main() -> None:
             times: dict[str, list[float]] = {p: [] for p in PATHS}
             with torch.inference_mode():
                 for r in range(args.rounds + 1):
-                    order = PATHS[r % 3:] + PATHS[: r % 3]
+                    order = PATHS[r % len(PATHS):] + PATHS[: r % len(PATHS)]
                     for path in order:
                         _set_path(path)
                         t0 = time.perf_counter()
@@ -78,16 +82,15 @@ def main() -> None:
             med = {p: statistics.median(v) for p, v in times.items()}
             rows.append({"threads": threads, "tokens": t, **{f"{p}_us": round(med[p], 1) for p in PATHS},
                          **{f"{p}_min_max_us": [round(min(times[p]), 1), round(max(times[p]), 1)] for p in PATHS}})
-    _set_path("packed")
+    _set_path("fused")
     experts_mod.DENSE_TOKENS_PER_THREAD = dense_default
     print(f"expert layer, bf16, {len(layers)} layers cycled, median us per layer over {args.rounds} rounds "
-          f"(ratio to grouped); ExpertPart runs dense for T <= {dense_default} x threads")
-    print(f"{'threads':>7} {'T':>5} {'grouped':>9} {'packed':>16} {'dense':>16}")
+          f"(ratio to grouped); without the fused kernel ExpertPart runs dense for T <= {dense_default} x threads")
+    print(f"{'threads':>7} {'T':>5} {'grouped':>9} " + " ".join(f"{p:>16}" for p in PATHS[1:]))
     for row in rows:
         g_us = row["grouped_us"]
-        print(f"{row['threads']:>7} {row['tokens']:>5} {g_us:>9.0f} "
-              f"{row['packed_us']:>9.0f} ({g_us / row['packed_us']:.2f}x) {row['dense_us']:>9.0f} "
-              f"({g_us / row['dense_us']:.2f}x)")
+        print(f"{row['threads']:>7} {row['tokens']:>5} {g_us:>9.0f} " + " ".join(
+            f"{row[p + '_us']:>9.0f} ({g_us / row[p + '_us']:.2f}x)" for p in PATHS[1:]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -42,8 +42,11 @@ class Activation:
 
 SILU = Activation()
 
-# the most tokens per thread for which ``ExpertPart`` runs every held expert densely
+# the most tokens per thread for which ``ExpertPart`` runs every held expert densely (without the
+# fused kernel)
 DENSE_TOKENS_PER_THREAD = 16
+# the fused MoE kernel runs wherever it is built (False: the PyTorch paths; benchmarks/linear_kernels.py)
+USE_FUSED_KERNEL = True
 
 
 def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -98,7 +101,7 @@ class ExpertPart(nn.Module):
         self._kernel: tuple | None = None  # (weights' key, packed weights) of the fused MoE kernel
 
     def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.expert_ids and y.shape[1] % 2 == 0 and kernels.supports("fused_moe", y):
+        if USE_FUSED_KERNEL and self.expert_ids and y.shape[1] % 2 == 0 and kernels.supports("fused_moe", y):
             w13, w2, b13, b2 = self._kernel_weights()
             a = self.act
             return fused_moe(y.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.float().contiguous(),
