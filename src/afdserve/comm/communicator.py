@@ -158,6 +158,19 @@ class Communicator:
                             futex_ok=all(ch.futex_ok for ch in free))
         return found[-1].take(deadline)
 
+    def try_recv(self, peers: Sequence[Peer] | None = None) -> Message | None:
+        """The next message of the first of ``peers`` (default: all) that has one delivered, without
+        waiting (None if none has); raises like ``recv`` for a dead or closed peer."""
+        names = self.recv_peers if peers is None else [str(p) for p in peers]
+        for n in names:
+            ch = self._links.recv.get(n) or self._chan(n, "recv")
+            ch.check()
+            if not ch.held[ch.next_seq % ch.num_slots] and ch.ready():
+                return ch.take(_now() + self.config.deadline_s)
+        if not names:
+            raise ValueError("try_recv needs at least one peer")
+        return None
+
     def progress(self) -> None:
         """Move whatever TCP data has arrived into registered slots (optional; waits do it anyway)."""
         self._progress.pump(0)

@@ -77,8 +77,14 @@ class Links:
     def recv(self, peer: int, timeout: float) -> Message:
         return self.comm.recv(self.peers[peer], timeout=timeout)
 
+    def try_recv(self, peers: Sequence[int]) -> tuple[int, Message] | None:
+        """A message one of ``peers`` has delivered, without waiting: (its index, the message), or None."""
+        msg = self.comm.try_recv([self.peers[j] for j in peers])
+        return None if msg is None else (self.peers.index(msg.peer), msg)
+
     def recv_any(self, peers: Sequence[int], timeout: float) -> tuple[int, Message]:
-        """The next message of whichever of ``peers`` delivers first: (its index, the message)."""
+        """The next message of whichever of ``peers`` delivers first: (its index, the message);
+        PeerTimeoutError when none came within ``timeout``."""
         if len(peers) == 1:
             return peers[0], self.comm.recv(self.peers[peers[0]], timeout=timeout)
         msg = self.comm.recv_any([self.peers[j] for j in peers], timeout=timeout)
@@ -96,10 +102,10 @@ class Links:
             if name not in self.present:
                 continue
             for _ in range(limit - (name == first.peer)):
-                try:
-                    got.append((i, self.comm.recv(name, timeout=0.0)))
-                except PeerTimeoutError:
+                msg = self.comm.try_recv([name])
+                if msg is None:
                     break
+                got.append((i, msg))
         return got
 
     def transport(self, peer: int) -> str:
