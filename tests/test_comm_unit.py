@@ -221,3 +221,29 @@ def test_mixed_transports_in_one_communicator_and_recv_any():
     finally:
         for c in out.values():
             c.close()
+
+
+def test_a_shared_memory_wait_sleeps_on_the_futex():
+    """A receiver blocked on a shared-memory pair announces a futex sleep (a socket wake-up would pull
+    it onto the sender's core), and a send wakes it."""
+    import time
+
+    from afdserve.comm.doorbell import _W_WAITING, FUTEX
+    from afdserve.comm.shm_transport import ShmRecvChannel, ShmSendChannel
+
+    assert ShmRecvChannel.futex_ok and ShmSendChannel.futex_ok
+    a, b = pair("shm", "futex-wait", spin_s=0.0)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(b.recv("a", timeout=20)))
+    t.start()
+    bell = b._links.bell
+    deadline = time.monotonic() + 20
+    while bell._w[_W_WAITING] != FUTEX and time.monotonic() < deadline:  # the waiting word, once it sleeps
+        pass
+    assert bell._w[_W_WAITING] == FUTEX
+    a.send("b", torch.arange(3))
+    t.join(20)
+    assert torch.equal(got[0].tensors[0], torch.arange(3))
+    got[0].release()
+    a.close()
+    b.close()

@@ -74,6 +74,9 @@ def attach_pair_segment(name: str, num_slots: int, slot_bytes: int, nonce: int) 
 
 
 class _ShmEnd:
+    """What both ends of a shared-memory pair have (listed first among the bases, so that its
+    ``futex_ok`` wins over ``Channel``'s)."""
+
     futex_ok = True  # waits on this pair can sleep on the doorbell futex
     ring: "object"
 
@@ -89,7 +92,7 @@ class _ShmEnd:
         self.seg.close()
 
 
-class ShmSendChannel(SendChannel, _ShmEnd):
+class ShmSendChannel(_ShmEnd, SendChannel):
     transport = "shm"
 
     def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
@@ -125,7 +128,7 @@ class ShmSendChannel(SendChannel, _ShmEnd):
         self._drop_mem()
 
 
-class ShmRecvChannel(RecvChannel, _ShmEnd):
+class ShmRecvChannel(_ShmEnd, RecvChannel):
     transport = "shm"
 
     def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
