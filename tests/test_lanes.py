@@ -140,3 +140,31 @@ def test_lm_head_shares_are_whole_blocks_that_fit_the_reply_slots(rows, workers)
     assert vocab - shares[0][1] <= 0.75 * vocab + 32
     assert LMHeadShare(0.0, reply).shares(rows, vocab, workers) == []
     assert lm.shares(rows, vocab, []) == []
+
+
+def test_block_table_metadata_equals_the_slot_list_metadata():
+    """``AttnMetadata.from_blocks`` (what the engine builds) describes the same cache positions as
+    ``build`` over per-position slots, released blocks included; a piece of it (``select``) too."""
+    import torch
+
+    from afdserve.kvcache.block_manager import BlockManager
+    from afdserve.model.attention import AttnMetadata
+
+    bm = BlockManager(64, 4)
+    rng = random.Random(9)
+    qlens, kv_lens = [], []
+    for s in range(5):
+        n = rng.randrange(1, 30)
+        bm.reserve(s, n)
+        if s == 3:
+            bm.release_before(s, n - 5)  # a sliding window gave blocks back
+        kv_lens.append(n)
+        qlens.append(1 if s % 2 else rng.randrange(1, n + 1))
+    fast = AttnMetadata.from_blocks(qlens, kv_lens, [bm.block_table(s) for s in range(5)], 4)
+    slow = AttnMetadata.build(qlens, [bm.slots(s, n) for s, n in enumerate(kv_lens)])
+    assert torch.equal(fast.positions, slow.positions) and torch.equal(fast.slot_mapping, slow.slot_mapping)
+    assert all(torch.equal(a, b) for a, b in zip(fast.kv_slots, slow.kv_slots))
+    assert torch.equal(fast.decode_rows, slow.decode_rows) and torch.equal(fast.decode_seqs, slow.decode_seqs)
+    part = fast.select([1, 4], [1, 1], [kv_lens[1], kv_lens[4] - qlens[4] + 1])
+    assert part.kv_lens == [kv_lens[1], kv_lens[4] - qlens[4] + 1]
+    assert torch.equal(part.kv_slots[1], slow.kv_slots[4][: part.kv_lens[1]])
