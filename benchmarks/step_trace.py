@@ -64,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the front end only detokenizes
     rows = [run(int(b), args.new_tokens, args) for b in args.batches.split(",")]
     print(f"1 attention + 1 expert worker, m={args.micro_batches}, {args.threads} thread(s) each, bf16"
-          f"{', compiled' if args.compile else ''}: median ms per decode step")
+          f"{', compiled' if args.compile else ''}: ms per decode step of the whole batch (its lanes overlap)")
     print(f"{'batch':>6} " + " ".join(f"{title:>17}" for _, title in COLUMNS))
     for r in rows:
         print(f"{r['batch']:>6} " + " ".join(f"{r[k]:>17.2f}" for k, _ in COLUMNS))

@@ -48,11 +48,13 @@ def _csrc() -> Path:
     return Path(str(resources.files("afdserve.kernels") / "csrc"))
 
 
-def _cpu_flags() -> str:
+def cpuinfo(field: str) -> str:
+    """A field of this CPU in /proc/cpuinfo ("flags", "model name"...); the platform's processor
+    name where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -64,7 +66,7 @@ def build_dir() -> Path:
     for name in sorted(os.listdir(_csrc())):
         h.update(name.encode())
         h.update((_csrc() / name).read_bytes())
-    for part in (torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS), _cpu_flags()):
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS), cpuinfo("flags")):
         h.update(part.encode())
     return cache_root() / "kernels" / h.hexdigest()[:16]
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import platform
 import time
 from pathlib import Path
+
+from afdserve.kernels.build import cpuinfo
 
 __all__ = ["llc_bytes", "cpu_cores", "idle_fraction", "cpu_name"]
 
@@ -51,11 +52,4 @@ def idle_fraction(seconds: float = 1.0) -> float:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name")
