@@ -51,15 +51,17 @@ class Lanes:
 
     @torch.inference_mode()
     def advance(self, begin: bool, timeout: float) -> None:
-        """Does the next piece of work: resumes a lane whose replies came, else a lane that can go on,
-        else (if ``begin``) starts a step on an idle lane, else a lane that can go on; with nothing
-        to do but wait for the experts, waits for their next reply up to ``timeout``."""
+        """Does the next piece of work: resumes a lane whose replies came, else (if ``begin``) starts
+        a step on an idle lane, else resumes a lane that can go on; with nothing to do but wait for
+        the experts, waits for their next reply up to ``timeout``."""
         run = self.runner
         if run.in_flight:
             self._completed(run.poll(0.0))
         if self.ready:
             return self._resume(self.ready.popleft())
-        if begin and not self.nothing_to_begin:  # a new step gives the experts work at once
+        # a new step gives the experts work at once (with none in flight, always worth a try: a
+        # sequence preempted by the last try is scheduled by this one)
+        if begin and (not self.nothing_to_begin or not self.tasks):
             lane = next((i for i in range(run.m) if i not in self.tasks), None)
             if lane is not None:
                 with self.tracer.span("engine", phase="begin"):
@@ -70,7 +72,7 @@ class Lanes:
                 self.nothing_to_begin = True
         if self.runnable:
             # the lane that yielded last goes on: lanes that reach their step boundary together
-            # finish one after the other, and stay staggered by about half a step from then on
+            # finish it one after the other, not piece by piece in alternation
             return self._resume(self.runnable.pop())
         if run.in_flight:
             self._completed(run.poll(timeout))
