@@ -72,6 +72,32 @@ struct Batch {
   const float* sinks;
 };
 
+// Asks for the key and value rows of positions [c0, c1) of one key head ahead of their use: a
+// tile's rows are scattered over the cache (one per slot), so loaded one by one they miss one after
+// the other; prefetched together the misses overlap.
+template <typename T>
+inline void prefetch_rows(const int64_t* slots, int64_t c0, int64_t c1, const T* kc, const T* vc, int64_t nkv,
+                          int64_t g, int64_t hd) {
+  const int64_t bytes = hd * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = c0; j < c1; ++j) {
+    if (slots[j] < 0) continue;
+    const char* kr = reinterpret_cast<const char*>(kc + (slots[j] * nkv + g) * hd);
+    const char* vr = reinterpret_cast<const char*>(vc + (slots[j] * nkv + g) * hd);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(kr + b, _MM_HINT_T0);
+      _mm_prefetch(vr + b, _MM_HINT_T0);
+    }
+  }
+}
+
+// The first key position a tile reads (aligned to 16), as attend_tile computes it.
+inline int64_t first_key(const Tile& tl, const Batch& bt) {
+  if (bt.window <= 0) return 0;
+  const int64_t qlen = bt.cu_q[tl.seq + 1] - bt.cu_q[tl.seq], kvlen = bt.kv_lens[tl.seq];
+  const int64_t k0 = std::max<int64_t>(0, kvlen - qlen + (tl.token0 - bt.cu_q[tl.seq]) - bt.window + 1);
+  return k0 - k0 % 16;
+}
+
 // Scores of R query vectors (rows of `qf`, stride `ld`) against one chunk of 16 keys (`kt`:
 // [dim][16] float32): s[r] = sum_d qf[r][d] * kt[d]
 template <int R>
@@ -176,8 +202,10 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   alignas(64) float p[R * 16];
   __m512 s[R];
+  prefetch_rows(slots, k0, std::min(k0 + 16, k1 + 1), kc, vc, nkv, tl.kv_head, hd);
   for (int64_t c0 = k0; c0 <= k1; c0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, k1 + 1 - c0));
+    prefetch_rows(slots, c0 + 16, std::min(c0 + 32, k1 + 1), kc, vc, nkv, tl.kv_head, hd);  // the next chunk
     for (int64_t d = 0; d < nd; ++d) {  // the chunk's keys as float32, transposed: kt[dim][key]
       __m512 rows[16];
       const int n = static_cast<int>(std::min<int64_t>(16, hd - 16 * d));
@@ -288,6 +316,12 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::T
     const int64_t ld = (hd + 31) / 32 * 32;
     std::vector<float> kt(ld * 16), qf(16 * ld), acc(16 * ld);
     for (int64_t i = next++; i < n; i = next++) {
+      if (i + 1 < n) {  // the first keys of the tile that comes next (likely this thread's)
+        const Tile& nt = tiles[i + 1];
+        const int64_t c0 = first_key(nt, bt);
+        prefetch_rows(bt.slots + bt.slot0[nt.seq], c0, std::min<int64_t>(c0 + 16, bt.kv_lens[nt.seq]),
+                      kc.data_ptr<T>(), vc.data_ptr<T>(), nkv, nt.kv_head, hd);
+      }
       attend<T>(tiles[i], bt, q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), kt.data(),
                 qf.data(), acc.data());
     }

@@ -1,0 +1,95 @@
+"""Where the disaggregated deployment loses to colocated: prefill and decode apart.
+
+Two engines on the same checkpoint (bf16) and cores, both loaded in this process: colocated with
+``--cores`` threads, and 1 attention + 1 expert worker (m = 2) with ``--cores // 2`` threads each.
+Per batch size, each round times ``generate`` for 1 new token (prefill and the first token) and for
+N new tokens, the engines alternating; decode step = (t(N) - t(1)) / (N - 1). Medians of the rounds.
+
+    python benchmarks/disagg_phases.py [--batches 64,256] [--rounds 3] [--json out/disagg_phases.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model folder (default: the demo model)")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--json", default="out/disagg_phases.json")
+    args = ap.parse_args()
+    from afdserve import LLM, SamplingParams
+    from afdserve.engine.builder import resolve_model
+
+    torch.set_num_threads(args.cores)
+    batches = [int(b) for b in args.batches.split(",")]
+    path, big = str(resolve_model(args.model)), max(batches)
+    common = dict(dtype="bfloat16", max_num_seqs=big, max_model_len=args.prompt_len + args.new_tokens + 1,
+                  max_num_batched_tokens=max(2048, big * args.prompt_len))
+    engines = {"colocated": LLM(path, num_threads=args.cores, expert_workers=0, **common),
+               "1a+1e m2": LLM(path, num_threads=max(1, args.cores // 2), attention_workers=1, expert_workers=1,
+                               micro_batches=2, **common)}
+    rng = random.Random(0)
+    vocab = engines["colocated"].engine.vocab_size
+
+    def timed(llm, batch: int, n: int) -> float:
+        prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
+                   for _ in range(batch)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    rows = []
+    try:
+        for batch in batches:
+            times = {(e, n): [] for e in engines for n in (1, args.new_tokens)}
+            for llm in engines.values():  # warm-up
+                timed(llm, batch, args.new_tokens)
+            for r in range(args.rounds):
+                order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    for n in (1, args.new_tokens):
+                        times[name, n].append(timed(engines[name], batch, n))
+            row = {"batch": batch}
+            for name in engines:
+                first = statistics.median(times[name, 1])
+                full = statistics.median(times[name, args.new_tokens])
+                row[name] = {"prefill_ms": round(first * 1e3, 1),
+                             "decode_step_ms": round((full - first) / (args.new_tokens - 1) * 1e3, 2),
+                             "total_ms": round(full * 1e3, 1), "tok_per_s": round(batch * args.new_tokens / full)}
+            rows.append(row)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    print(f"{'batch':>6} {'engine':<10} {'prefill ms':>11} {'decode ms/step':>15} {'tok/s':>7}")
+    for row in rows:
+        for name in engines:
+            r = row[name]
+            print(f"{row['batch']:>6} {name:<10} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} "
+                  f"{r['tok_per_s']:>7}")
+        c, d = row["colocated"], row["1a+1e m2"]
+        print(f"{'':>6} {'ratio':<10} {c['prefill_ms'] / d['prefill_ms']:>10.2f}x "
+              f"{c['decode_step_ms'] / d['decode_step_ms']:>14.2f}x {d['tok_per_s'] / c['tok_per_s']:>6.2f}x")
+    if args.json:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "disagg_phases", "model": path, "prompt_len": args.prompt_len,
+                       "new_tokens": args.new_tokens, "rounds": args.rounds, "cores": args.cores, "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
