@@ -27,6 +27,13 @@ from afdserve.kvcache.prefix import PrefixCacheConfig, PrefixCacheStats
 from afdserve.kvcache.tiers import DISK, HOST, Tiers
 
 
+def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache slot of every position of block tables [..., B] (a -1 block gives -1 slots):
+    [..., B * block_size] int64."""
+    t = tables.to(torch.int64)[..., None]
+    return torch.where(t >= 0, t * block_size + torch.arange(block_size, device=t.device), -1).flatten(-2)
+
+
 @dataclass
 class PrefixHit:
     """The cached blocks a sequence can start with: device blocks, then blocks worth restoring from
@@ -131,11 +138,10 @@ class BlockManager:
 
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Cache slots of token positions [0, num_tokens) of a sequence (-1: given back)."""
-        table = torch.tensor(self.block_table(seq_id), dtype=torch.int64)
-        if num_tokens > table.numel() * self.block_size:
-            raise ValueError(f"sequence {seq_id} holds {table.numel() * self.block_size} slots, {num_tokens} asked for")
-        slots = torch.where(table[:, None] >= 0, table[:, None] * self.block_size + torch.arange(self.block_size), -1)
-        return slots.reshape(-1)[:num_tokens]
+        slots = block_slots(torch.tensor(self.block_table(seq_id), dtype=torch.int64), self.block_size)
+        if num_tokens > slots.numel():
+            raise ValueError(f"sequence {seq_id} holds {slots.numel()} slots, {num_tokens} asked for")
+        return slots[:num_tokens]
 
     # ---- prefix caching ---------------------------------------------------------------------
     def lookup(self, keys: list[bytes], max_blocks: int) -> PrefixHit:

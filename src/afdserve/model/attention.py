@@ -12,6 +12,7 @@ from torch import nn
 from afdserve import kernels
 from afdserve.kernels.attention import paged_attention
 from afdserve.kernels.layers import rope_cache
+from afdserve.kvcache.block_manager import block_slots
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm
 from afdserve.model.linear import Linear
@@ -101,9 +102,7 @@ class AttnMetadata:
     def kv_slots(self) -> list[torch.Tensor]:
         """Per sequence: [kv_len] cache slots of its whole context (-1 where released)."""
         if self._kv_slots is None:
-            bs, t = self.block_size, self.block_tables.to(torch.int64)
-            off = torch.arange(bs, device=t.device)
-            slots = torch.where(t[:, :, None] >= 0, t[:, :, None] * bs + off, -1).reshape(t.shape[0], -1)
+            slots = block_slots(self.block_tables, self.block_size)
             self._kv_slots = [slots[i, :n] for i, n in enumerate(self.kv_lens)]
         return self._kv_slots
 
