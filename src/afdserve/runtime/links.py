@@ -31,14 +31,9 @@ def slot_bytes(spec: WorkerSpec) -> int:
     c = spec.config
     need = c.max_num_batched_tokens * (cfg.hidden_size * 4 + cfg.top_k * 8)
     if spec.role == "attention":
-        need = max(need, lm_reply_rows(c.max_num_seqs) * -(-int(cfg.vocab_size * c.lm_head_share) // 32) * 32 * 4)
+        # a step's sequences' logits of the share (a lane step with more rows sends a smaller share)
+        need = max(need, c.max_num_seqs * -(-int(cfg.vocab_size * c.lm_head_share) // 32) * 32 * 4)
     return need + 4 * 64
-
-
-def lm_reply_rows(max_num_seqs: int) -> int:
-    """Rows of LM-head logits an expert worker's reply is sized for (a lane step with more rows
-    computes a smaller share remotely)."""
-    return max_num_seqs
 
 
 def max_micro_batches(started_with: int) -> int:

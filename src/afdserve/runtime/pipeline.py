@@ -127,8 +127,7 @@ class PipelinedRunner:
                                        f"no reply for step {d.step} micro-batch {d.lane} layer {d.layer} before the "
                                        f"deadline")
             j, msg = got
-            if msg.meta.ints:
-                self.lm.expert_busy(j, msg.meta.ints[0])
+            self._busy_reported(j, msg)
             key = (msg.meta.step, msg.meta.microbatch, msg.meta.layer)
             hit = self._expect[j].pop(key, None)
             if hit is None:
@@ -158,9 +157,13 @@ class PipelinedRunner:
             t0 = time.perf_counter_ns()
             p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
             self.lm.waited(time.perf_counter_ns() - t0)
-            if p.reply.meta.ints:
-                self.lm.expert_busy(p.worker, p.reply.meta.ints[0])
+            self._busy_reported(p.worker, p.reply)
         return d
+
+    def _busy_reported(self, worker: int, msg: Any) -> None:
+        """An expert worker's reply carries its busy time so far (the LM head shares balance by it)."""
+        if msg.meta.ints:
+            self.lm.expert_busy(worker, msg.meta.ints[0])
 
     def reset(self, held: list[Dispatch] = ()) -> None:
         """Forgets every dispatch in flight (a peer was lost) and gives back the replies held (also
@@ -209,7 +212,7 @@ class PipelinedRunner:
         logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
         shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present())
         local = shares[0][1] if shares else m.cfg.vocab_size
-        d = Dispatch(lane, step, last, xn, xn, deadline=time.monotonic() + self.timeout * max(1.0, xn.shape[0] / 256))
+        d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(xn.shape[0]))
         with tr.span("send", mb=lane, layer=last):
             for j, a, b in shares:
                 self._send(d, j, None, [xn], (step, lane, last, self.version), (a, b), count=False,
@@ -224,6 +227,12 @@ class PipelinedRunner:
         self.lm.step_done()
         return logits
 
+    def _deadline(self, rows: int) -> float:
+        """When replies to a dispatch of ``rows`` rows are late: a dead peer is detected at once, a
+        stalled one after the timeout, which grows with the work in flight (a large prefill keeps an
+        expert busy for a while)."""
+        return time.monotonic() + self.timeout * max(1.0, rows / 256)
+
     def _present(self) -> list[int]:
         """The expert workers connected now."""
         links = self.links
@@ -233,8 +242,7 @@ class PipelinedRunner:
     def dispatch(self, lane: int, step: int, layer: int, h: torch.Tensor, y: torch.Tensor,
                  ids: torch.Tensor | None, w: torch.Tensor | None) -> Dispatch:
         """Sends the layer's MoE input to the expert workers that hold its tokens' experts."""
-        d = Dispatch(lane, step, layer, h, y,
-                     deadline=time.monotonic() + self.timeout * max(1.0, y.shape[0] / 256))
+        d = Dispatch(lane, step, layer, h, y, deadline=self._deadline(y.shape[0]))
         if not self.model.cfg.is_moe(layer):  # a dense layer: its MLP runs in combine, nothing is sent
             return d
         n_exp, meta = self.model.cfg.num_experts, (step, lane, layer, self.version)
