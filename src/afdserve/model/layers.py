@@ -12,13 +12,6 @@ from afdserve.model.linear import linear
 
 
 class RMSNorm(nn.Module):
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, norm(h)) with h = x + residual, one pass when the kernel runs."""
-        if x.is_contiguous() and residual.is_contiguous() and x.dim() == 2 and kernels.supports("rms_norm", x):
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        h = x + residual
-        return h, self(h)
-
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
@@ -31,6 +24,13 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = x + residual, one pass when the kernel runs."""
+        if x.is_contiguous() and residual.is_contiguous() and x.dim() == 2 and kernels.supports("rms_norm", x):
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
