@@ -10,7 +10,7 @@ Each worker process uses one thread; the colocated engine uses as many threads a
 disaggregated deployment has processes.
 
     python benchmarks/pingpong.py [--batch 64] [--tokens 48] [--json out/pingpong.json] [--trace-dir out]
-                                  [--cluster ray [--ray-address ADDRESS]]
+                                  [--lm-head-share F] [--cluster ray [--ray-address ADDRESS]]
 
 With ``--cluster ray`` the disaggregated deployments run as Ray actors (attention workers on nodes
 with the ``attention_node`` resource, expert workers on ``expert_node`` nodes; docs/ray.md).
@@ -118,15 +118,23 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
 def decode_windows(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> list[tuple[float, float]]:
     """The stretches of the trace where the attention workers ran decode steps (steps of at most
     ``batch`` tokens: the lanes' steps overlap, so their spans are merged), run with ``m``
-    micro-batches if given."""
-    steps = sorted(((e["ts"], e["ts"] + e["dur"]) for evs in spans.values() for e in evs if e["name"] == "step"
-                    and 0 < e["args"].get("tokens", 0) <= batch and (m is None or e["args"].get("m") == m)))
+    micro-batches if given, without the time a larger step (a prefill) was in flight: a lane's
+    decode step can overlap the other lane's prefill."""
+    steps = [e for evs in spans.values() for e in evs if e["name"] == "step" and (m is None or e["args"].get("m") == m)]
+    decode = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps if 0 < e["args"].get("tokens", 0) <= batch)
+    prefill = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps if e["args"].get("tokens", 0) > batch)
     merged: list[tuple[float, float]] = []
-    for lo, hi in steps:
+    for lo, hi in decode:
         if merged and lo <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:
             merged.append((lo, hi))
+    for plo, phi in prefill:  # cut out every prefill in flight
+        cut: list[tuple[float, float]] = []
+        for lo, hi in merged:
+            cut += [w for w in ((lo, min(hi, plo)), (max(lo, phi), hi)) if w[1] > w[0]] if lo < phi and plo < hi \
+                else [(lo, hi)]
+        merged = cut
     return merged
 
 
@@ -169,7 +177,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
     ap.add_argument("--na-batch", type=int, default=128, help="concurrent sequences per attention worker (n_a series)")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--prompt-len", type=int, default=92, help="context; sets Ta against Te (92: Ta ~ Te here)")
+    ap.add_argument("--prompt-len", type=int, default=128,
+                    help="context; sets Ta against Te (128: Ta ~ Te here, m=1 busy 46%% attention, 49%% expert)")
     ap.add_argument("--repeats", type=int, default=3, help="decode windows per deployment (the median is kept)")
     ap.add_argument("--m-values", default="1,2,3,4", help="micro-batch counts of the m series (first = baseline)")
     ap.add_argument("--m-repeats", type=int, default=5, help="rounds over the m values (one window of each per round)")
@@ -179,6 +188,8 @@ def main() -> None:
     ap.add_argument("--only", default="m,na,coloc", help="which comparisons to run")
     ap.add_argument("--model", default=None, help="HF model folder (default: the benchmark variant of the demo model)")
     ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v2")
+    ap.add_argument("--lm-head-share", type=float, default=None,
+                    help="the expert workers' share of the LM head (default: the engine's, balanced at run time)")
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
                     help="disaggregated deployments as local processes or Ray actors (docs/ray.md)")
     ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
@@ -192,6 +203,8 @@ def main() -> None:
     model = args.model or bench_model(args.bench_model_dir)
     vocab = ModelConfig.from_pretrained(model).vocab_size
     one = dict(num_threads=1, kv_cache_gb=2.0)
+    if args.lm_head_share is not None:
+        one["lm_head_share"] = args.lm_head_share
     res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count()}
 
     def go(name: str, kw: dict, batch: int, trace: bool = True) -> dict:
