@@ -115,32 +115,10 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     return out
 
 
-def decode_windows(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> list[tuple[float, float]]:
-    """The stretches of the trace where the attention workers ran decode steps (steps of at most
-    ``batch`` tokens: the lanes' steps overlap, so their spans are merged), run with ``m``
-    micro-batches if given, without the time a larger step (a prefill) was in flight: a lane's
-    decode step can overlap the other lane's prefill."""
-    steps = [e for evs in spans.values() for e in evs if e["name"] == "step" and (m is None or e["args"].get("m") == m)]
-    decode = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps if 0 < e["args"].get("tokens", 0) <= batch)
-    prefill = sorted((e["ts"], e["ts"] + e["dur"]) for e in steps if e["args"].get("tokens", 0) > batch)
-    merged: list[tuple[float, float]] = []
-    for lo, hi in decode:
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    for plo, phi in prefill:  # cut out every prefill in flight
-        cut: list[tuple[float, float]] = []
-        for lo, hi in merged:
-            cut += [w for w in ((lo, min(hi, plo)), (max(lo, phi), hi)) if w[1] > w[0]] if lo < phi and plo < hi \
-                else [(lo, hi)]
-        merged = cut
-    return merged
-
-
 def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
-    """Each worker's busy fraction over the trace's decode stretches (``decode_windows``)."""
+    """Each worker's busy fraction over the trace's decode stretches (``trace_steps.decode_windows``)."""
     from afdserve.runtime.trace_plot import usage
+    from afdserve.runtime.trace_steps import decode_windows
 
     windows = decode_windows(spans, batch, m)
     if not windows:
@@ -156,14 +134,13 @@ def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) 
 def draw_steps(trace: str, batch: int, ms: list[int], out_dir: str, steps: int = 2) -> None:
     """``pingpong_m{m}.png``: the timeline of about ``steps`` steady decode steps run with m micro-batches."""
     from afdserve.runtime.trace_plot import load, plot, steady_window
+    from afdserve.runtime.trace_steps import decode_steps
 
     spans = load(trace)  # a second read of the trace (measure's was for the busy fractions)
     lo, _ = steady_window(spans, trim=0.0)
     for m in ms:
-        windows = decode_windows(spans, batch, m)
-        run = sorted((e for evs in spans.values() for e in evs if e["name"] == "step" and e["args"].get("m") == m
-                      and 0 < e["args"].get("tokens", 0) <= batch), key=lambda e: e["ts"])
-        if not windows or len(run) < steps + 3:
+        run = sorted(decode_steps(spans, batch, m), key=lambda e: e["ts"])
+        if len(run) < steps + 3:
             continue
         first = run[len(run) // 2]  # a step in the middle of the measured windows
         out = os.path.join(out_dir, f"pingpong_m{m}.png")

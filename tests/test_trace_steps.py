@@ -2,7 +2,7 @@
 
 import pytest
 
-from afdserve.runtime.trace_steps import breakdown
+from afdserve.runtime.trace_steps import breakdown, decode_windows
 
 
 def _span(name, ts, dur, **args):
@@ -32,3 +32,16 @@ def test_breakdown_over_the_decode_window_of_overlapping_lane_steps():
 def test_no_decode_step_is_an_error():
     with pytest.raises(ValueError, match="no decode step"):
         breakdown({"a": [_span("step", 0, 1, tokens=20)], "e": []}, "a", "e", 5)
+
+
+def test_a_decode_step_that_overlaps_another_lanes_prefill_is_left_out():
+    """Lane 0 decodes while lane 1 still prefills: that stretch is neither decode time nor tokens."""
+    att = [_span("step", 0, 20, tokens=64, lane=0), _span("step", 5, 40, tokens=64, lane=1),  # prefills
+           _span("step", 20, 10, tokens=4, lane=0),  # overlaps lane 1's prefill (until 45): left out
+           _span("step", 45, 10, tokens=4, lane=1), _span("step", 50, 10, tokens=4, lane=0),
+           _span("attention", 25, 2, layer=0), _span("attention", 46, 2, layer=0), _span("attention", 51, 2, layer=0)]
+    assert decode_windows({"a": att}, batch=8) == [(45e3, 60e3)]
+    b = breakdown({"a": att, "e": []}, "a", "e", batch=8)
+    # 15 ms for 8 tokens; only the two attention spans inside it
+    assert b.steps == 2 and b.step_ms == pytest.approx(15) and b.attention_layers_ms == pytest.approx(4)
+    assert b.expert_idle_ms == pytest.approx(15)

@@ -1,9 +1,10 @@
 """Where a disaggregated decode's time goes, from a deployment trace (``--trace``).
 
 The attention worker runs its lanes' steps interleaved (``runtime/lanes.py``), so steps overlap;
-the breakdown is over the decode window instead: from the start of its first decode step (a step
-of at most ``batch`` tokens) to the end of its last, per worker, the time in each kind of span,
-normalized to one step of the whole batch (``batch`` generated tokens). The attention worker's
+the breakdown is over the decode windows instead (``decode_windows``: the stretches covered by its
+decode steps, steps of at most ``batch`` tokens, leaving out any that overlaps a prefill of another
+lane), per worker, the time in each kind of span, normalized to one step of the whole batch
+(``batch`` generated tokens). The attention worker's
 time outside any span (waiting for replies, the lanes' bookkeeping) is ``other``; the expert
 worker's outside its compute and sends is ``idle``.
 """
@@ -32,22 +33,43 @@ class StepBreakdown:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def _within(spans: list[dict], a: float, b: float) -> list[dict]:
-    return [s for s in spans if a <= s["ts"] < b]
+def decode_steps(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> list[dict]:
+    """The decode steps in ``spans`` (``trace_plot.load`` of a trace): steps of at most ``batch``
+    tokens, run with ``m`` micro-batches if given, and none that a larger step (a prefill, which
+    another lane can run meanwhile) overlaps."""
+    steps = [e for evs in spans.values() for e in evs if e["name"] == "step" and (m is None or e["args"].get("m") == m)]
+    prefill = [(e["ts"], e["ts"] + e["dur"]) for e in steps if e["args"].get("tokens", 0) > batch]
+    return [e for e in steps if 0 < e["args"].get("tokens", 0) <= batch
+            and not any(lo < e["ts"] + e["dur"] and e["ts"] < hi for lo, hi in prefill)]
+
+
+def decode_windows(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> list[tuple[float, float]]:
+    """The stretches covered by ``decode_steps`` (overlapping lanes' steps merged), in trace time."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted((e["ts"], e["ts"] + e["dur"]) for e in decode_steps(spans, batch, m)):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _within(spans: list[dict], windows: list[tuple[float, float]]) -> list[dict]:
+    return [s for s in spans if any(a <= s["ts"] < b for a, b in windows)]
 
 
 def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: int) -> StepBreakdown:
     """``spans``: ``trace_plot.load`` of a trace; the decode steps (at most ``batch`` tokens) of
     worker ``attention`` against expert worker ``expert`` (times in ms per ``batch`` tokens)."""
-    steps = [s for s in spans[attention] if s["name"] == "step" and 0 < s.get("args", {}).get("tokens", 0) <= batch]
+    mine = {attention: spans[attention]}
+    steps = decode_steps(mine, batch)
     if not steps:
         raise ValueError(f"no decode step of at most {batch} tokens in the trace of {attention}")
-    a = min(s["ts"] for s in steps)
-    b = max(s["ts"] + s["dur"] for s in steps)
+    windows = decode_windows(mine, batch)
     tokens = sum(s["args"]["tokens"] for s in steps)
-    per_step = batch / tokens / 1e3  # us in the window -> ms per batch step
-    att = _within([s for s in spans[attention] if s["name"] != "step"], a, b)
-    exp = _within(spans[expert], a, b)
+    per_step = batch / tokens / 1e3  # us in the windows -> ms per batch step
+    att = _within([s for s in spans[attention] if s["name"] != "step"], windows)
+    exp = _within(spans[expert], windows)
 
     def total(src: list[dict], name: str, phase: str | None = None) -> float:
         return sum(s["dur"] for s in src if s["name"] == name and s.get("args", {}).get("phase") == phase)
@@ -57,7 +79,7 @@ def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: 
     engine = sum(s["dur"] for s in att if s["name"] == "engine")
     e_moe, e_lm = total(exp, "expert"), total(exp, "expert", "lm_head")
     e_send = sum(s["dur"] for s in exp if s["name"] == "send")
-    window = b - a
+    window = sum(b - a for a, b in windows)
     att_spans = layers + lm + combine + total(att, "attention", "dense_mlp") + send + engine
     return StepBreakdown(len(steps), window * per_step, layers * per_step, lm * per_step, combine * per_step,
                          send * per_step, engine * per_step, max(0.0, window - att_spans) * per_step,
