@@ -34,13 +34,13 @@ COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_hea
 
 def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
     path = os.path.join(tempfile.mkdtemp(prefix="afdserve-step-trace-"), "trace.json")
-    rng = random.Random(batch)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]}
-               for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm = LLM(args.model or str(demo_model_path()), dtype="bfloat16", num_threads=args.threads, max_num_seqs=batch,
               max_num_batched_tokens=max(2048, batch * args.prompt_len), max_model_len=args.prompt_len + new_tokens + 1,
               expert_workers=1, micro_batches=args.micro_batches, compile=args.compile, trace=path)
+    rng = random.Random(batch)
+    top = min(30000, llm.engine.vocab_size)  # token ids any vocabulary holds
+    prompts = [{"prompt_token_ids": [rng.randrange(100, top) for _ in range(args.prompt_len)]} for _ in range(batch)]
     try:
         llm.generate(prompts, params)  # warm-up (and compilation)
         llm.generate(prompts, params)
