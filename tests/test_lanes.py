@@ -28,6 +28,16 @@ def _lanes_engine(path, blocks=64, **kw):
     return client, client.engine
 
 
+def _queued(path, ps, **kw):
+    """The outputs of running ``ps`` alone, and a lanes engine with them queued (request i: "i"),
+    with an empty token list per request to collect into."""
+    ref = _alone(path, ps)
+    client, eng = _lanes_engine(path, **kw)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, GREEDY)
+    return client, eng, ref, {str(i): [] for i in range(len(ps))}
+
+
 def _run_two_lanes(eng, order):
     """Two steps in flight at once, finished in ``order`` (a permutation of the lanes); returns the
     token outputs."""
@@ -42,11 +52,7 @@ def _run_two_lanes(eng, order):
 
 def test_two_steps_in_flight_take_disjoint_halves_and_match_one_at_a_time(tiny_mixtral):
     ps = _prompts(6)
-    ref = _alone(tiny_mixtral, ps)
-    client, eng = _lanes_engine(tiny_mixtral)
-    for i, p in enumerate(ps):
-        eng.add_request(str(i), p, GREEDY)
-    got = {str(i): [] for i in range(len(ps))}
+    client, eng, ref, got = _queued(tiny_mixtral, ps)
     flip = 0
     while eng.has_unfinished():
         a, b = eng.begin(2), eng.begin(2)
@@ -65,11 +71,7 @@ def test_two_steps_in_flight_take_disjoint_halves_and_match_one_at_a_time(tiny_m
 
 def test_a_cancelled_step_runs_again_and_changes_nothing(tiny_mixtral):
     ps = _prompts(4, seed=6)
-    ref = _alone(tiny_mixtral, ps)
-    client, eng = _lanes_engine(tiny_mixtral)
-    for i, p in enumerate(ps):
-        eng.add_request(str(i), p, GREEDY)
-    got = {str(i): [] for i in range(len(ps))}
+    client, eng, ref, got = _queued(tiny_mixtral, ps)
     n = 0
     while eng.has_unfinished():
         s = eng.begin(2)
@@ -108,8 +110,7 @@ def test_a_preemption_never_takes_a_sequence_in_flight(tiny_mixtral):
     """A KV cache too small for everyone: the lane that needs blocks preempts its own sequences, not
     the other lane's; outputs stay those of running alone."""
     ps = _prompts(8, seed=8)
-    ref = _alone(tiny_mixtral, ps)
-    client, eng = _lanes_engine(tiny_mixtral, blocks=10, block_size=16, max_model_len=64)
+    client, eng, ref, got = _queued(tiny_mixtral, ps, blocks=10, block_size=16, max_model_len=64)
     preempted = []
     orig = eng.scheduler._preempt
 
@@ -119,9 +120,6 @@ def test_a_preemption_never_takes_a_sequence_in_flight(tiny_mixtral):
         orig(seq, batch)
 
     eng.scheduler._preempt = spy
-    for i, p in enumerate(ps):
-        eng.add_request(str(i), p, GREEDY)
-    got = {str(i): [] for i in range(len(ps))}
     while eng.has_unfinished():
         for out in _run_two_lanes(eng, [1, 0]):
             got[out.request_id] += out.new_token_ids
