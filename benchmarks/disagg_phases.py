@@ -1,11 +1,13 @@
 """Where the disaggregated deployment loses to colocated: prefill and decode apart.
 
 Two engines on the same checkpoint (bf16) and cores, both loaded in this process: colocated with
-``--cores`` threads, and 1 attention + 1 expert worker (m = 2) with ``--cores // 2`` threads each.
+``--cores`` threads, and 1 attention + 1 expert worker (m = 2) with ``--cores // 2`` threads each (``--compare-lending``: also one whose expert worker does not borrow the
+waiting attention worker's core, ``lend_idle_cores=False``).
 Per batch size, each round times ``generate`` for 1 new token (prefill and the first token) and for
 N new tokens, the engines alternating; decode step = (t(N) - t(1)) / (N - 1). Medians of the rounds.
 
-    python benchmarks/disagg_phases.py [--batches 64,256] [--rounds 3] [--json out/disagg_phases.json]
+    python benchmarks/disagg_phases.py [--batches 64,256] [--rounds 3] [--compare-lending]
+                                       [--json out/disagg_phases.json]
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--compare-lending", action="store_true",
+                    help="also run the disaggregated deployment with lend_idle_cores=False")
     ap.add_argument("--json", default="out/disagg_phases.json")
     args = ap.parse_args()
     from afdserve import LLM, SamplingParams
@@ -40,6 +44,9 @@ def main() -> None:
     engines = {"colocated": LLM(path, num_threads=args.cores, expert_workers=0, **common),
                "1a+1e m2": LLM(path, num_threads=max(1, args.cores // 2), attention_workers=1, expert_workers=1,
                                micro_batches=2, **common)}
+    if args.compare_lending:
+        engines["1a+1e m2 no lending"] = LLM(path, num_threads=max(1, args.cores // 2), attention_workers=1,
+                                             expert_workers=1, micro_batches=2, lend_idle_cores=False, **common)
     rng = random.Random(0)
     vocab = engines["colocated"].engine.vocab_size
 
@@ -72,15 +79,21 @@ def main() -> None:
     finally:
         for llm in engines.values():
             llm.shutdown()
-    print(f"{'batch':>6} {'engine':<10} {'prefill ms':>11} {'decode ms/step':>15} {'tok/s':>7}")
+    w = max(len(n) for n in engines) + 10
+    print(f"{'batch':>6} {'engine':<{w}} {'prefill ms':>11} {'decode ms/step':>15} {'tok/s':>7}")
     for row in rows:
         for name in engines:
             r = row[name]
-            print(f"{row['batch']:>6} {name:<10} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} "
+            print(f"{row['batch']:>6} {name:<{w}} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} "
                   f"{r['tok_per_s']:>7}")
-        c, d = row["colocated"], row["1a+1e m2"]
-        print(f"{'':>6} {'ratio':<10} {c['prefill_ms'] / d['prefill_ms']:>10.2f}x "
-              f"{c['decode_step_ms'] / d['decode_step_ms']:>14.2f}x {d['tok_per_s'] / c['tok_per_s']:>6.2f}x")
+        c = row["colocated"]
+        for name in list(engines)[1:]:  # of colocated
+            d = row[name]
+            row[f"ratio {name}"] = {"prefill": round(c["prefill_ms"] / d["prefill_ms"], 3),
+                                    "decode_step": round(c["decode_step_ms"] / d["decode_step_ms"], 3),
+                                    "tok_per_s": round(d["tok_per_s"] / c["tok_per_s"], 3)}
+            print(f"{'':>6} {'ratio ' + name:<{w}} {c['prefill_ms'] / d['prefill_ms']:>10.2f}x "
+                  f"{c['decode_step_ms'] / d['decode_step_ms']:>14.2f}x {d['tok_per_s'] / c['tok_per_s']:>6.2f}x")
     if args.json:
         import os
 

@@ -72,6 +72,9 @@ class EngineConfig:
     # the largest share of the LM head's vocabulary the expert workers compute (each attention worker
     # balances its share within [0, this] by measured busy time; 0: all on the attention workers)
     lm_head_share: float = 0.75
+    # local cluster: an expert worker's MoE kernel borrows the threads of attention workers that wait
+    # for its replies (they share this machine's cores; afdserve.runtime.core_board)
+    lend_idle_cores: bool = True
     heartbeat_timeout_ms: float = 3000.0  # a worker silent this long (dead, stopped) is fenced and replaced
     startup_timeout_s: float = 300.0
     trace: str | None = None  # write a Chrome/Perfetto trace of the deployment here on shutdown
@@ -119,6 +122,7 @@ class EngineConfig:
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
         check("lm_head_share", isinstance(self.lm_head_share, (int, float)) and not isinstance(self.lm_head_share, bool)
               and 0 <= self.lm_head_share < 1, "must be a fraction in [0, 1)")
+        check("lend_idle_cores", isinstance(self.lend_idle_cores, bool), "must be true or false")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")
         check("cluster", self.cluster in ("local", "ray"), "use 'local' or 'ray'")

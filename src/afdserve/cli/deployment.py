@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--lm-head-share", type=float, default=0.75, metavar="F",
                    help="largest share of the LM head's vocabulary computed on the expert workers; each attention "
                         "worker balances the share it sends by measured busy time (0: all on attention workers)")
+    d.add_argument("--no-lend-idle-cores", action="store_true",
+                   help="local cluster: do not let expert workers borrow the cores of attention workers that wait "
+                        "for their replies (by default they do, a slice of a MoE layer at a time)")
     d.add_argument("--heartbeat-timeout-ms", type=float, default=3000.0, metavar="MS",
                    help="how long the front end waits for a worker's heartbeat before it fences and replaces it "
                         "(a stalled or stopped process)")
@@ -82,6 +85,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),
               on_expert_loss=getattr(args, "on_expert_loss", "wait"),
               lm_head_share=getattr(args, "lm_head_share", 0.75),
+              lend_idle_cores=not getattr(args, "no_lend_idle_cores", False),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)
     kw.update(extra)

@@ -123,10 +123,14 @@ def spawn_worker(spec: WorkerSpec) -> Launched:
     address = os.path.join(sock_dir, "ctl")
     with Listener(address, family="AF_UNIX", authkey=key) as listener:
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.config.num_threads or 1))
+        if spec.core_board is not None:
+            # OpenMP threads spin only briefly after a parallel region: a borrowed core goes back at once
+            env.setdefault("GOMP_SPINCOUNT", "3000")
         # started from one long-lived thread: the child's PR_SET_PDEATHSIG fires when the *thread*
         # that forked it ends, and a replacement may be launched from a short-lived caller thread
         proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-c", _CHILD, address, str(os.getpid())],
-                               stdin=subprocess.PIPE, env=env).result()
+                               stdin=subprocess.PIPE, env=env,
+                               pass_fds=(spec.core_board,) if spec.core_board is not None else ()).result()
         assert proc.stdin is not None
         proc.stdin.write(key.hex().encode() + b"\n")
         proc.stdin.close()

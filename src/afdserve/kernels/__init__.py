@@ -40,3 +40,18 @@ def supports(kernel: str, x: torch.Tensor) -> bool:
 
 
 _supported: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def borrow_lent_threads(board: torch.Tensor | None, most: int) -> bool:
+    """Lets this process's fused MoE calls borrow, slice by slice, up to ``most`` threads that
+    idle processes lend on ``board`` (int32 [2, slots] over shared memory:
+    ``afdserve.runtime.core_board``); None stops it. False when the kernels are unavailable."""
+    if not load().ok:
+        return False
+    ops().lend_board(torch.empty(0, dtype=torch.int32) if board is None else board, most if board is not None else 0)
+    return True
+
+
+def lent_threads_now() -> int:
+    """The threads a fused MoE slice of this process would borrow now (0 without a board)."""
+    return int(ops().lent_threads_now()) if load().ok else 0

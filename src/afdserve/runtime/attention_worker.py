@@ -22,6 +22,7 @@ from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Attention
                                        Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
+from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.lanes import Lanes
 from afdserve.runtime.trace import Tracer, idle_span
 
@@ -44,7 +45,9 @@ class AttentionWorker:
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
-                                      lm_head_share=cfg.lm_head_share, lm_reply_bytes=slot_bytes(spec) - 64)
+                                      lm_head_share=cfg.lm_head_share, lm_reply_bytes=slot_bytes(spec) - 64,
+                                      lender=CoreBoard.attach(spec.core_board).lender(spec.index, cfg.num_threads or 1)
+                                      if spec.core_board is not None else None)
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)

@@ -15,6 +15,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.core_board import CoreBoard, borrowable_threads
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
@@ -45,6 +46,9 @@ class ExpertWorker:
         lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_share > 0 else None
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
                                      lm_head)
+        if spec.core_board is not None:  # the fused MoE kernel borrows the cores of waiting attention workers
+            self.board = CoreBoard.attach(spec.core_board)
+            self.board.borrow(borrowable_threads(cfg.num_threads or 1))
         self.lm_layer = model_cfg.num_layers  # the layer index of LM head shares
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]

@@ -10,7 +10,8 @@ order per worker) and returns the dispatches they complete. ``forward`` runs one
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
+from afdserve.runtime.core_board import Lender
 from afdserve.runtime.links import Links
 from afdserve.runtime.trace import Tracer
 
@@ -60,7 +62,8 @@ class Dispatch:
 class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
                  micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
-                 tracker: LoadTracker | None = None, lm_head_share: float = 0.0, lm_reply_bytes: int = 0):
+                 tracker: LoadTracker | None = None, lm_head_share: float = 0.0, lm_reply_bytes: int = 0,
+                 lender: Lender | None = None):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
         self.version = 0  # of the expert map; sent with every dispatch
         self.tracker = tracker
@@ -76,6 +79,7 @@ class PipelinedRunner:
         # dispatches of different lanes out of order (it merges the same layer's tokens)
         self._expect: dict[int, dict[tuple[int, int, int], tuple[Dispatch, Part]]] = {}
         self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
+        self.lender = lender  # this worker's cores, lent to expert workers while it waits for them
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -115,7 +119,8 @@ class PipelinedRunner:
             if got is None and wait > 0:
                 t0 = time.perf_counter_ns()
                 try:
-                    got = self.links.recv_any(peers, wait)
+                    with self._lent():
+                        got = self.links.recv_any(peers, wait)
                 except PeerTimeoutError:
                     pass
                 self.lm.waited(time.perf_counter_ns() - t0)
@@ -155,10 +160,23 @@ class PipelinedRunner:
                 raise RuntimeError("collect: another dispatch to the same worker is in flight")
             q.clear()
             t0 = time.perf_counter_ns()
-            p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
+            with self._lent():
+                p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
             self.lm.waited(time.perf_counter_ns() - t0)
             self._busy_reported(p.worker, p.reply)
         return d
+
+    @contextmanager
+    def _lent(self) -> Iterator[None]:
+        """While this worker only waits for replies, its cores are lent (``runtime.core_board``)."""
+        if self.lender is None:
+            yield
+            return
+        self.lender.lend()
+        try:
+            yield
+        finally:
+            self.lender.reclaim()
 
     def _busy_reported(self, worker: int, msg: Any) -> None:
         """An expert worker's reply carries its busy time so far (the LM head shares balance by it)."""

@@ -11,8 +11,10 @@
 // fused_moe: tokens are sorted by expert (counting sort); phase 1 runs gate/up and the activation
 // into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32, phase 3 sums each
 // token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
-// by column block, so every thread streams a disjoint part of every expert's weights once.
+// by column block, so every thread streams a disjoint part of every expert's weights once; they run
+// in a few slices of blocks, each on this process's threads plus any an idle neighbour lends (lend.h).
 #include "gemm.h"
+#include "lend.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -50,6 +52,9 @@ inline void store_packed(uint32_t* group, int64_t col, int r, __m512 v) {
     for (int q = 0; q < 16; ++q) group[(col + q) * MR + r] = f[q];
   }
 }
+
+// fewer routed pairs than this do not borrow lent threads (tuning: benchmarks/disagg_phases.py)
+constexpr int64_t kLendMinPairs = 512;
 
 template <typename T, typename Id>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
@@ -109,7 +114,9 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
   const int64_t most_pad = (most + MR - 1) / MR * MR;
   // phase 1: gate/up and the activation, by blocks of 16 intermediate columns
-  at::parallel_for(0, nb1, 1, [&](int64_t b0, int64_t b1) {
+  // phases 1 and 2 run in slices: an idle neighbour's lent threads join at a slice boundary (lend.h)
+  const bool worth = P >= kLendMinPairs;
+  parallel_lent(nb1, 4, worth, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];
@@ -132,7 +139,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
     }
   });
   // phase 2: the down projection, by blocks of 32 hidden columns
-  at::parallel_for(0, nb2, 1, [&](int64_t c0, int64_t c1) {
+  parallel_lent(nb2, 2, worth, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];

@@ -1,0 +1,95 @@
+"""Cores lent between the worker processes of one machine (``lend_idle_cores``).
+
+A deployment whose workers share a machine's cores (the local cluster) splits them: each worker
+runs ``num_threads`` threads. An attention worker that has nothing to do but wait for expert
+replies leaves its cores idle, most of all during a prefill, whose MoE layers are most of its work.
+So the front end creates a board in shared memory (an anonymous memfd that each local worker
+inherits: nothing is left behind whatever happens to the processes); while an attention worker waits, it lends its
+threads on its slot, and reclaims them when it wakes. An expert worker's fused MoE kernel runs its
+two big phases in slices and, before each, claims the lent threads no other worker holds
+(``kernels/csrc/lend.h``): at most one slice later, an attention worker that woke has its cores back.
+An attention worker wakes on an expert reply, which comes after the kernel, so the two rarely
+overlap at all.
+
+Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 while it computes),
+row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+from afdserve import kernels
+
+SLOTS = 1024
+_BYTES = 2 * SLOTS * 4
+
+
+class CoreBoard:
+    def __init__(self, mm: mmap.mmap, fd: int | None):
+        self.mm, self.fd = mm, fd  # fd: the creator's, passed to the workers it starts
+        self._ints = memoryview(mm).cast("i")  # plain stores: a Python call per wait, not a tensor op
+        self.tensor = torch.frombuffer(mm, dtype=torch.int32, count=2 * SLOTS).view(2, SLOTS)
+
+    @classmethod
+    def create(cls) -> "CoreBoard | None":
+        """A new board (the front end's; its ``fd`` stays open until ``close`` so that replacements
+        inherit it too); None where the system has no memfd."""
+        if not hasattr(os, "memfd_create"):
+            return None
+        fd = os.memfd_create("afdserve-core-board")  # close-on-exec: only workers given it inherit it
+        os.ftruncate(fd, _BYTES)
+        return cls(mmap.mmap(fd, _BYTES), fd)
+
+    @classmethod
+    def attach(cls, fd: int) -> "CoreBoard":
+        """The board a worker inherited as ``fd`` (mapped, then the descriptor is closed)."""
+        try:
+            return cls(mmap.mmap(fd, _BYTES), None)
+        finally:
+            os.close(fd)
+
+    def lender(self, slot: int, threads: int) -> "Lender | None":
+        """The owner's handle of ``slot`` (None past the board's slots: that worker lends nothing)."""
+        return Lender(self._ints, slot, threads) if 0 <= slot < SLOTS and threads > 0 else None
+
+    def borrow(self, most: int) -> bool:
+        """This process's fused MoE kernels borrow up to ``most`` lent threads (False: no kernels)."""
+        return kernels.borrow_lent_threads(self.tensor, most) if most > 0 else False
+
+    def read(self) -> list[tuple[int, int]]:
+        """(threads lent, holder pid) of every slot (tests and diagnostics)."""
+        return [(self._ints[i], self._ints[SLOTS + i]) for i in range(SLOTS)]
+
+    def close(self) -> None:
+        """Closes the creator's descriptor (workers keep their mappings until they exit)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Lender:
+    """An attention worker's slot: ``lend`` before it waits, ``reclaim`` when it wakes."""
+
+    def __init__(self, ints: memoryview, slot: int, threads: int):
+        self._ints, self.slot, self.threads = ints, slot, threads
+        self.reclaim()  # a replacement starts from a clean slot
+
+    def lend(self) -> None:
+        self._ints[self.slot] = self.threads
+
+    def reclaim(self) -> None:
+        self._ints[self.slot] = 0
+        self._ints[SLOTS + self.slot] = 0  # a claim made before the wake lapses at its slice's end
+
+
+def borrowable_threads(own: int) -> int:
+    """Threads an expert worker may borrow: the cores it may run on beyond its own threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(0, cores - own)

@@ -1,0 +1,100 @@
+"""Cores lent between the workers of one machine (runtime.core_board, kernels/csrc/lend.h): what a
+fused MoE slice may borrow, the claim protocol, results unchanged by borrowed threads, and a local
+deployment that lends (and cleans its board up)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams, kernels
+from afdserve.kernels import build
+from afdserve.runtime.core_board import SLOTS, CoreBoard
+from tiny_models import hf_greedy
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
+
+
+@pytest.fixture
+def board():
+    b = CoreBoard.create()
+    try:
+        yield b
+    finally:
+        kernels.borrow_lent_threads(None, 0)  # this process borrows nothing again
+        b.close()
+
+
+@needs_kernels
+def test_a_slice_borrows_only_what_idle_owners_lend_and_nobody_holds(board):
+    a, b = board.lender(0, 1), board.lender(5, 2)
+    assert board.lender(SLOTS, 1) is None  # past the board: that worker lends nothing
+    assert board.borrow(3)
+    assert kernels.lent_threads_now() == 0  # nobody waits
+    a.lend()
+    assert kernels.lent_threads_now() == 1
+    b.lend()
+    assert kernels.lent_threads_now() == 3
+    assert all(holder == 0 for _, holder in board.read())  # a slice gives what it claimed back
+    board.borrow(2)  # at most 2: slot 0 (1 thread) fits, slot 5 (2 more) would not
+    assert kernels.lent_threads_now() == 1
+    board.borrow(3)
+    board._ints[SLOTS + 5] = os.getpid() + 1  # another worker holds slot 5's threads
+    assert kernels.lent_threads_now() == 1
+    b.reclaim()  # its owner woke: the claim lapses with the lending
+    assert board.read()[5] == (0, 0)
+    a.reclaim()
+    assert kernels.lent_threads_now() == 0
+    kernels.borrow_lent_threads(None, 0)
+    a.lend()
+    assert kernels.lent_threads_now() == 0  # no board registered: nothing borrowed
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_borrowed_threads_leave_the_moe_output_unchanged(board, dtype):
+    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+
+    g = torch.Generator().manual_seed(1)
+    tokens, hidden, inter, experts, k = 600, 64, 96, 8, 2  # 1,200 routed pairs: enough to borrow
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = pack_gate_up((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype))
+    w2 = pack_down((torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype))
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    local = torch.arange(experts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = fused_moe(x, w13, w2, ids, w, local, inter)
+        lender = board.lender(0, 1)
+        board.borrow(1)
+        lender.lend()
+        assert kernels.lent_threads_now() == 1
+        lent = fused_moe(x, w13, w2, ids, w, local, inter)
+        assert torch.get_num_threads() == 1  # its own threads again after the call
+        assert board.read()[0] == (1, 0)  # claims given back
+        lender.reclaim()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, lent)  # threads split the column blocks: the same arithmetic per output
+
+
+def test_a_local_deployment_lends_and_closes_its_board(tiny_model):
+    """A prefill large enough to borrow on (one expert round of > 512 routed pairs) gives
+    transformers' tokens, with and without lending; the front end's board descriptor is closed
+    after shutdown."""
+    arch, path = tiny_model
+    rng = random.Random(3)
+    ps = [[rng.randrange(3, 256) for _ in range(n)] for n in (90, 120, 70, 60)]
+    want = hf_greedy(path, ps, 6)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for lend in (True, False):
+        with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=2, lend_idle_cores=lend) as llm:
+            board = llm.engine.board
+            assert (board is not None) == lend
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy)
+            assert [o.outputs[0].token_ids for o in outs] == want
+        if lend:
+            assert board.fd is None
