@@ -7,10 +7,12 @@ memory-bound at small batch), all deployments measured side by side in one run:
 
 Decode throughput excludes prefill: (time for N tokens - time for 1 token) per generated token.
 Each worker process uses one thread; the colocated engine uses as many threads as the
-disaggregated deployment has processes.
+disaggregated deployment has processes. Workers do not lend idle cores to each other unless
+``--lend-idle-cores``: the benchmark measures what the pipeline overlaps, as on separate devices
+(lent cores fill m=1's bubbles too, a different mechanism; docs/runtime.md).
 
     python benchmarks/pingpong.py [--batch 64] [--tokens 48] [--json out/pingpong.json] [--trace-dir out]
-                                  [--lm-head-share F] [--cluster ray [--ray-address ADDRESS]]
+                                  [--lm-head-share F] [--lend-idle-cores] [--cluster ray [--ray-address ADDRESS]]
 
 With ``--cluster ray`` the disaggregated deployments run as Ray actors (attention workers on nodes
 with the ``attention_node`` resource, expert workers on ``expert_node`` nodes; docs/ray.md).
@@ -167,6 +169,8 @@ def main() -> None:
     ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v2")
     ap.add_argument("--lm-head-share", type=float, default=None,
                     help="the expert workers' share of the LM head (default: the engine's, balanced at run time)")
+    ap.add_argument("--lend-idle-cores", action="store_true",
+                    help="let expert workers borrow the cores of waiting attention workers (the engine's default)")
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
                     help="disaggregated deployments as local processes or Ray actors (docs/ray.md)")
     ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
@@ -179,10 +183,11 @@ def main() -> None:
     from afdserve.model.config import ModelConfig
     model = args.model or bench_model(args.bench_model_dir)
     vocab = ModelConfig.from_pretrained(model).vocab_size
-    one = dict(num_threads=1, kv_cache_gb=2.0)
+    one = dict(num_threads=1, kv_cache_gb=2.0, lend_idle_cores=args.lend_idle_cores)
     if args.lm_head_share is not None:
         one["lm_head_share"] = args.lm_head_share
-    res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count()}
+    res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count(),
+                 "lend_idle_cores": args.lend_idle_cores}
 
     def go(name: str, kw: dict, batch: int, trace: bool = True) -> dict:
         traced = trace and kw.get("expert_workers", 0) > 0  # only worker processes record traces
