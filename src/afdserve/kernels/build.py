@@ -61,6 +61,14 @@ def cpuinfo(field: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def build_dir() -> Path:
     h = hashlib.sha256()
     for name in sorted(os.listdir(_csrc())):

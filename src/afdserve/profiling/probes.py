@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from afdserve.kernels.build import cpuinfo
+from afdserve.kernels.build import cpu_cores, cpuinfo
 
 __all__ = ["llc_bytes", "cpu_cores", "idle_fraction", "cpu_name"]
 
@@ -26,13 +25,6 @@ def llc_bytes() -> int:
         except ValueError:
             continue
     return best or (32 << 20)
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def idle_fraction(seconds: float = 1.0) -> float:

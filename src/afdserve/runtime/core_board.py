@@ -23,6 +23,7 @@ import os
 import torch
 
 from afdserve import kernels
+from afdserve.kernels.build import cpu_cores
 
 SLOTS = 1024
 _BYTES = 2 * SLOTS * 4
@@ -88,8 +89,4 @@ class Lender:
 
 def borrowable_threads(own: int) -> int:
     """Threads an expert worker may borrow: the cores it may run on beyond its own threads."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(0, cores - own)
+    return max(0, cpu_cores() - own)
