@@ -111,7 +111,8 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     for m in settings:
         rate, tbt = sorted(runs[m])[len(runs[m]) // 2]
         out[m] = {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "runs_tok_s": [x for x, _ in runs[m]],
-                  "busy": decode_busy(spans, per_worker, m) if spans else None}
+                  "busy": decode_busy(spans, per_worker, m) if spans else None,
+                  "layer_ms": layer_times(spans, per_worker, m) if spans else None}
         if ms:  # ratio of each round's windows, measured within seconds of each other
             out[m]["round_ratios_vs_first"] = [a[0] / b[0] for a, b in zip(runs[m], runs[ms[0]])]
     return out
@@ -131,6 +132,23 @@ def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) 
         for u in usage(spans, (lo, hi)):
             busy[u.worker] = busy.get(u.worker, 0.0) + u.busy * (hi - lo) / total
     return busy
+
+
+def layer_times(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
+    """Ta and Te as the paper defines them, from the trace's decode stretches: the median time of one
+    micro-batch's attention (the attention worker's layer spans, LM head and combines left out) and of
+    its experts (the expert worker's layer spans) in one layer, in ms."""
+    from afdserve.runtime.trace_steps import decode_windows
+
+    windows = decode_windows(spans, batch, m)
+
+    def median(worker: str, name: str) -> float | None:
+        d = sorted(e["dur"] for e in spans.get(worker, []) if e["name"] == name and e.get("args", {}).get("phase") is None
+                   and any(lo <= e["ts"] < hi for lo, hi in windows))
+        return d[len(d) // 2] / 1e3 if d else None
+
+    ta, te = median("attention0", "attention"), median("expert0", "expert")
+    return None if ta is None or te is None else {"ta": ta, "te": te}
 
 
 def draw_steps(trace: str, batch: int, ms: list[int], out_dir: str, steps: int = 2) -> None:
@@ -156,8 +174,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
     ap.add_argument("--na-batch", type=int, default=128, help="concurrent sequences per attention worker (n_a series)")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--prompt-len", type=int, default=128,
-                    help="context; sets Ta against Te (128: Ta ~ Te here, m=1 busy 46%% attention, 49%% expert)")
+    ap.add_argument("--prompt-len", type=int, default=160,
+                    help="context; sets Ta against Te (160: Ta ~ Te here, per layer as the paper defines them "
+                         "and by busy fraction; the m series prints both)")
     ap.add_argument("--repeats", type=int, default=3, help="decode windows per deployment (the median is kept)")
     ap.add_argument("--m-values", default="1,2,3,4", help="micro-batch counts of the m series (first = baseline)")
     ap.add_argument("--m-repeats", type=int, default=5, help="rounds over the m values (one window of each per round)")
@@ -211,6 +230,8 @@ def main() -> None:
         for m, r in res["micro_batches"].items():
             r["trace"] = path
             busy = "" if not r["busy"] else "  busy " + ", ".join(f"{k} {v:.0%}" for k, v in r["busy"].items())
+            if r["layer_ms"]:
+                busy += f"  per layer Ta {r['layer_ms']['ta']:.1f} ms, Te {r['layer_ms']['te']:.1f} ms"
             print(f"  {'a1_e1_m' + str(m):<28} {r['decode_tok_s']:>8.1f} tok/s  TBT {r['tbt_ms']:>7.2f} ms{busy}")
         draw_steps(path, args.batch, ms, args.trace_dir)
         base = res["micro_batches"][ms[0]]["decode_tok_s"]

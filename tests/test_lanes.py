@@ -166,3 +166,10 @@ def test_block_table_metadata_equals_the_slot_list_metadata():
     part = fast.select([1, 4], [1, 1], [kv_lens[1], kv_lens[4] - qlens[4] + 1])
     assert part.kv_lens == [kv_lens[1], kv_lens[4] - qlens[4] + 1]
     assert torch.equal(part.kv_slots[1], slow.kv_slots[4][: part.kv_lens[1]])
+
+
+def test_lm_head_shares_skip_expert_workers_busy_with_another_lane():
+    lm = LMHeadShare(0.75, 4 << 20)
+    assert [j for j, _, _ in lm.shares(32, 32000, [0, 1, 2], busy={1})] == [0, 2]
+    assert lm.shares(32, 32000, [0, 1], busy={0, 1}) == []  # every one busy: all of it computed here
+    assert lm.shares(32, 32000, [0], busy=set()) == lm.shares(32, 32000, [0])

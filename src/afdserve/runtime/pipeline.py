@@ -10,7 +10,7 @@ order per worker) and returns the dispatches they complete. ``forward`` runs one
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,7 +228,8 @@ class PipelinedRunner:
         last = m.cfg.num_layers
         xn = m.final_norm(x[rows])
         logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
-        shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present())
+        busy = {j for j, q in self._expect.items() if q}  # computing another lane's layer
+        shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present(), busy)
         local = shares[0][1] if shares else m.cfg.vocab_size
         d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(xn.shape[0]))
         with tr.span("send", mb=lane, layer=last):
@@ -347,9 +348,14 @@ class LMHeadShare:
         self._busy: dict[int, int] = {}  # per expert worker: busy microseconds it reported last
         self._busy0: dict[int, int] = {}  # ... at the window's start
 
-    def shares(self, rows: int, vocab: int, workers: list[int]) -> list[tuple[int, int, int]]:
+    def shares(self, rows: int, vocab: int, workers: list[int],
+               busy: AbstractSet[int] = frozenset()) -> list[tuple[int, int, int]]:
         """``(worker, start, end)`` of the vocabulary each expert worker computes for ``rows`` rows
-        (ascending; this worker computes ``[0, first start)``); [] for none."""
+        (ascending; this worker computes ``[0, first start)``); [] for none. Workers in ``busy`` (with
+        another lane's dispatch in flight) get none: such a worker would start its share only after
+        that layer, and both sides would wait, this worker for the share and that one for the other
+        lane's next layer (which this worker computes only once the share is in)."""
+        workers = [j for j in workers if j not in busy]
         if self.share <= 0 or not workers or rows == 0:
             return []
         remote = min(int(vocab * self.share), self.reply_bytes // (rows * 4) * len(workers))
