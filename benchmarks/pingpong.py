@@ -174,9 +174,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=512, help="concurrent sequences (m and colocated series)")
     ap.add_argument("--na-batch", type=int, default=128, help="concurrent sequences per attention worker (n_a series)")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--prompt-len", type=int, default=160,
-                    help="context; sets Ta against Te (160: Ta ~ Te here, per layer as the paper defines them "
-                         "and by busy fraction; the m series prints both)")
+    ap.add_argument("--prompt-len", type=int, default=128,
+                    help="context; sets Ta against Te (128 in bf16: Ta ~ Te here, per layer as the paper defines "
+                         "them and by busy fraction; the m series prints both)")
     ap.add_argument("--repeats", type=int, default=3, help="decode windows per deployment (the median is kept)")
     ap.add_argument("--m-values", default="1,2,3,4", help="micro-batch counts of the m series (first = baseline)")
     ap.add_argument("--m-repeats", type=int, default=5, help="rounds over the m values (one window of each per round)")
@@ -188,6 +188,7 @@ def main() -> None:
     ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v2")
     ap.add_argument("--lm-head-share", type=float, default=None,
                     help="the expert workers' share of the LM head (default: the engine's, balanced at run time)")
+    ap.add_argument("--dtype", default="bfloat16", help="weights and activations (the engine's default is float32)")
     ap.add_argument("--lend-idle-cores", action="store_true",
                     help="let expert workers borrow the cores of waiting attention workers (the engine's default)")
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
@@ -202,7 +203,7 @@ def main() -> None:
     from afdserve.model.config import ModelConfig
     model = args.model or bench_model(args.bench_model_dir)
     vocab = ModelConfig.from_pretrained(model).vocab_size
-    one = dict(num_threads=1, kv_cache_gb=2.0, lend_idle_cores=args.lend_idle_cores)
+    one = dict(num_threads=1, kv_cache_gb=2.0, lend_idle_cores=args.lend_idle_cores, dtype=args.dtype)
     if args.lm_head_share is not None:
         one["lm_head_share"] = args.lm_head_share
     res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count(),
@@ -249,7 +250,7 @@ def main() -> None:
     if "coloc" in args.only:
         print("3. colocated vs disaggregated on 2 cores")
         res["colocated_vs_disaggregated"] = {
-            "colocated_2_threads": go("colocated", dict(num_threads=2, kv_cache_gb=2.0), args.batch),
+            "colocated_2_threads": go("colocated", dict(num_threads=2, kv_cache_gb=2.0, dtype=args.dtype), args.batch),
             "disaggregated_a1_e1_m2": go("disagg", dict(expert_workers=1, micro_batches=2, **one), args.batch),
         }
         c = res["colocated_vs_disaggregated"]

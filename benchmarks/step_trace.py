@@ -8,6 +8,7 @@ outputs) and the rest (waiting for replies); the expert worker's MoE layers, LM 
 and idle time.
 
     python benchmarks/step_trace.py [--batches 64,256] [--threads 1] [--micro-batches 2] [--compile]
+                                    [--no-lend-idle-cores]
                                     [--json out/step_trace.json]
 """
 
@@ -37,7 +38,8 @@ def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm = LLM(args.model or str(demo_model_path()), dtype="bfloat16", num_threads=args.threads, max_num_seqs=batch,
               max_num_batched_tokens=max(2048, batch * args.prompt_len), max_model_len=args.prompt_len + new_tokens + 1,
-              expert_workers=1, micro_batches=args.micro_batches, compile=args.compile, trace=path)
+              expert_workers=1, micro_batches=args.micro_batches, compile=args.compile, trace=path,
+              lend_idle_cores=not args.no_lend_idle_cores)
     rng = random.Random(batch)
     top = min(30000, llm.engine.vocab_size)  # token ids any vocabulary holds
     prompts = [{"prompt_token_ids": [rng.randrange(100, top) for _ in range(args.prompt_len)]} for _ in range(batch)]
@@ -59,6 +61,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--no-lend-idle-cores", action="store_true",
+                    help="the expert worker borrows no core (as benchmarks/pingpong.py runs by default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the front end only detokenizes
@@ -72,7 +76,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "step_trace", "micro_batches": args.micro_batches, "threads": args.threads,
-                       "compile": args.compile, "rows": rows}, f, indent=1)
+                       "compile": args.compile,
+                       "lend_idle_cores": not args.no_lend_idle_cores, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
