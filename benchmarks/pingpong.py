@@ -12,7 +12,8 @@ disaggregated deployment has processes. Workers do not lend idle cores to each o
 (lent cores fill m=1's bubbles too, a different mechanism; docs/runtime.md).
 
     python benchmarks/pingpong.py [--batch 64] [--tokens 48] [--json out/pingpong.json] [--trace-dir out]
-                                  [--lm-head-share F] [--lend-idle-cores] [--cluster ray [--ray-address ADDRESS]]
+                                  [--lm-head-share F] [--lend-idle-cores] [--dtype bfloat16]
+                                  [--cluster ray [--ray-address ADDRESS]]
 
 With ``--cluster ray`` the disaggregated deployments run as Ray actors (attention workers on nodes
 with the ``attention_node`` resource, expert workers on ``expert_node`` nodes; docs/ray.md).
