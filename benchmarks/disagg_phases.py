@@ -1,8 +1,9 @@
 """Where the disaggregated deployment loses to colocated: prefill and decode apart.
 
 Two engines on the same checkpoint (bf16) and cores, both loaded in this process: colocated with
-``--cores`` threads, and 1 attention + 1 expert worker (m = 2) with ``--cores // 2`` threads each (``--compare-lending``: also one whose expert worker does not borrow the
-waiting attention worker's core, ``lend_idle_cores=False``).
+``--cores`` threads, and 1 attention + 1 expert worker (m = 2) with ``--cores // 2`` threads each
+(``--compare-lending``: also one whose expert worker does not borrow the waiting attention worker's
+core, ``lend_idle_cores=False``).
 Per batch size, each round times ``generate`` for 1 new token (prefill and the first token) and for
 N new tokens, the engines alternating; decode step = (t(N) - t(1)) / (N - 1). Medians of the rounds.
 

@@ -87,6 +87,7 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     minute here) hits all of them alike."""
     from afdserve import LLM, SamplingParams
     from afdserve.runtime.trace_plot import load
+    from afdserve.runtime.trace_steps import decode_windows
 
     settings: list[int | None] = list(ms) if ms else [None]
     if ms:
@@ -111,20 +112,18 @@ def measure(kw: dict, batch: int, tokens: int, prompt_len: int, vocab: int, mode
     out: dict = {}
     for m in settings:
         rate, tbt = sorted(runs[m])[len(runs[m]) // 2]
+        windows = decode_windows(spans, per_worker, m) if spans else []
         out[m] = {"tbt_ms": tbt * 1e3, "decode_tok_s": rate, "runs_tok_s": [x for x, _ in runs[m]],
-                  "busy": decode_busy(spans, per_worker, m) if spans else None,
-                  "layer_ms": layer_times(spans, per_worker, m) if spans else None}
+                  "busy": decode_busy(spans, windows), "layer_ms": layer_times(spans, windows)}
         if ms:  # ratio of each round's windows, measured within seconds of each other
             out[m]["round_ratios_vs_first"] = [a[0] / b[0] for a, b in zip(runs[m], runs[ms[0]])]
     return out
 
 
-def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
+def decode_busy(spans: dict[str, list[dict]] | None, windows: list[tuple[float, float]]) -> dict[str, float] | None:
     """Each worker's busy fraction over the trace's decode stretches (``trace_steps.decode_windows``)."""
     from afdserve.runtime.trace_plot import usage
-    from afdserve.runtime.trace_steps import decode_windows
 
-    windows = decode_windows(spans, batch, m)
     if not windows:
         return None
     busy: dict[str, float] = {}
@@ -135,19 +134,19 @@ def decode_busy(spans: dict[str, list[dict]], batch: int, m: int | None = None) 
     return busy
 
 
-def layer_times(spans: dict[str, list[dict]], batch: int, m: int | None = None) -> dict[str, float] | None:
-    """Ta and Te as the paper defines them, from the trace's decode stretches: the median time of one
+def layer_times(spans: dict[str, list[dict]] | None, windows: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Ta and Te as the paper defines them, over the trace's decode stretches: the median time of one
     micro-batch's attention (the attention worker's layer spans, LM head and combines left out) and of
     its experts (the expert worker's layer spans) in one layer, in ms."""
-    from afdserve.runtime.trace_steps import decode_windows
-
-    windows = decode_windows(spans, batch, m)
+    from afdserve.runtime.trace_steps import within
 
     def median(worker: str, name: str) -> float | None:
-        d = sorted(e["dur"] for e in spans.get(worker, []) if e["name"] == name and e.get("args", {}).get("phase") is None
-                   and any(lo <= e["ts"] < hi for lo, hi in windows))
+        d = sorted(e["dur"] for e in within(spans.get(worker, []), windows)
+                   if e["name"] == name and e.get("args", {}).get("phase") is None)
         return d[len(d) // 2] / 1e3 if d else None
 
+    if not windows:
+        return None
     ta, te = median("attention0", "attention"), median("expert0", "expert")
     return None if ta is None or te is None else {"ta": ta, "te": te}
 

@@ -54,7 +54,8 @@ def decode_windows(spans: dict[str, list[dict]], batch: int, m: int | None = Non
     return merged
 
 
-def _within(spans: list[dict], windows: list[tuple[float, float]]) -> list[dict]:
+def within(spans: list[dict], windows: list[tuple[float, float]]) -> list[dict]:
+    """The spans of ``spans`` that start inside one of ``windows``."""
     return [s for s in spans if any(a <= s["ts"] < b for a, b in windows)]
 
 
@@ -68,8 +69,8 @@ def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: 
     windows = decode_windows(mine, batch)
     tokens = sum(s["args"]["tokens"] for s in steps)
     per_step = batch / tokens / 1e3  # us in the windows -> ms per batch step
-    att = _within([s for s in spans[attention] if s["name"] != "step"], windows)
-    exp = _within(spans[expert], windows)
+    att = within([s for s in spans[attention] if s["name"] != "step"], windows)
+    exp = within(spans[expert], windows)
 
     def total(src: list[dict], name: str, phase: str | None = None) -> float:
         return sum(s["dur"] for s in src if s["name"] == name and s.get("args", {}).get("phase") == phase)
