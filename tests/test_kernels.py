@@ -16,6 +16,12 @@ from afdserve.model.layers import RMSNorm
 from afdserve.model.rope import Rope, apply_rotary
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
+
+
+def needs(kernel: str, dtype: torch.dtype = torch.float32) -> None:
+    """Skips unless ``kernel`` runs for ``dtype`` here (a CPU with AVX2 but not AVX-512 builds some)."""
+    if not kernels.supports(kernel, torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"no {kernel} kernel for {dtype} on this CPU")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -45,6 +51,7 @@ def _moe_reference(x, w1, w2, ids, w, local, act, b1, b2):
                                                            (80, 128, 64, 8, 2), (9, 6, 4, 2, 1)])
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 def test_fused_moe_matches_the_reference(dtype, tokens, hidden, inter, experts, k, act):
+    needs("fused_moe", dtype)
     from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
 
     g = torch.Generator().manual_seed(tokens * 7 + hidden)
@@ -94,6 +101,7 @@ def _attention_reference(q, kc, vc, tables, kv_lens, cu_q, bs, window, scale, si
 def test_paged_attention_matches_the_reference(dtype, nh, nkv, hd, bs, window, sink):
     """Decodes and prefill pieces (a whole prompt, a chunk after a cached prefix) in one call, blocks
     scattered through the cache; a windowed sequence's blocks before its window are given back (-1)."""
+    needs("paged_attention", dtype)
     from afdserve.kernels.attention import paged_attention
 
     g = torch.Generator().manual_seed(nh * hd + bs)
@@ -122,6 +130,7 @@ def test_paged_attention_matches_the_reference(dtype, nh, nkv, hd, bs, window, s
 
 @needs_kernels
 def test_paged_attention_refuses_bad_metadata():
+    needs("paged_attention")
     from afdserve.kernels.attention import paged_attention
 
     kc = torch.zeros(64, 2, 16)
@@ -139,6 +148,7 @@ def test_paged_attention_refuses_bad_metadata():
 @pytest.mark.parametrize("dim", [256, 64, 40, 6])
 def test_rms_norm_is_the_modules(dtype, dim):
     """Bit for bit as the PyTorch RMSNorm in 16-bit types; float32 within an ulp (the sum's order)."""
+    needs("rms_norm", dtype)
     from afdserve.kernels.layers import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(dim)
@@ -164,6 +174,7 @@ def test_rms_norm_is_the_modules(dtype, dim):
 def test_rope_cache_is_the_modules(dtype, nh, nkv, d, rot, qk_norm):
     """Queries as apply_rotary gives them, keys and values written at their slots (partial rotary,
     Qwen3's q/k norms); bit for bit without the norms (float32 too), within an ulp with them."""
+    needs("rope_cache", dtype)
     from afdserve.kernels.layers import rope_cache
 
     g = torch.Generator().manual_seed(nh * d + rot)
@@ -218,6 +229,7 @@ def test_a_failed_build_warns_and_leaves_the_pytorch_paths(tmp_path):
                                           (300, 256, 256, False), (5, 7, 6, True)])
 def test_linear_matches_the_reference(dtype, rows, n, k, bias):
     """Any N (padded to whole column blocks), float32 outputs from bfloat16 inputs on request."""
+    needs("linear", dtype)
     from afdserve.kernels.linear import linear, pack
 
     g = torch.Generator().manual_seed(rows * n)
@@ -230,3 +242,19 @@ def test_linear_matches_the_reference(dtype, rows, n, k, bias):
         assert got.shape == (rows, n) and got.dtype == (out_dtype or dtype)
         exact = dtype == torch.float32 or out_dtype == torch.float32
         assert (got.double() - want).abs().max() <= (1e-5 if exact else 1e-2) * max(1.0, want.abs().max())
+
+
+def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
+    """The extension builder's lock file, left by a killed build, is removed by the next build (which
+    holds afdserve's own lock), not waited on forever."""
+    code = ("import torch; from afdserve.kernels import build\n"
+            "d = build.build_dir(); d.mkdir(parents=True); (d / 'lock').touch()\n"
+            "seen = []\n"
+            "def fake(directory): seen.append((directory / 'lock').exists()); raise RuntimeError('built')\n"
+            "build._build = fake\n"
+            "s = build.load()\n"
+            "print(seen, 'built' in s.reason)")
+    env = {**os.environ, "AFDSERVE_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.split() == ["[False]", "True"]

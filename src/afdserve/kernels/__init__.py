@@ -20,6 +20,19 @@ def available() -> bool:
     return load().ok
 
 
+def isa() -> str:
+    """The vector instructions the kernels were built for here: "avx512+bf16", "avx512", "avx2" or
+    "none" (unavailable: the PyTorch paths serve)."""
+    from afdserve.kernels.build import cpuinfo
+
+    if not load().ok:
+        return "none"
+    flags = set(cpuinfo("flags").split())
+    if "avx512f" in flags:
+        return "avx512+bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "none"
+
+
 def ops():
     """``torch.ops.afdserve_kernels`` (loaded); RuntimeError naming the reason if unavailable."""
     state = load()

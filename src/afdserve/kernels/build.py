@@ -6,13 +6,17 @@ torch and Python versions and the CPU's feature flags: another machine or versio
 A later process loads the built library directly (no compiler run). ``scripts/setup.sh`` builds them
 (``python -m afdserve.kernels.build``), so the first engine does not wait for the compiler.
 
-Anything that goes wrong (no compiler, no ninja, a CPU without AVX-512) leaves the kernels
-unavailable, with the reason in ``load().reason``; afdserve then runs its PyTorch paths.
-``AFDSERVE_KERNELS=0`` switches them off.
+The kernels need AVX-512 (and AVX512-BF16 for bfloat16 GEMMs), or AVX2 with FMA and F16C;
+``supports(kernel, tensor)`` says which run here. Anything that goes wrong (no compiler, no ninja)
+leaves the kernels unavailable, with the reason in ``load().reason``; afdserve then runs its
+PyTorch paths. ``AFDSERVE_KERNELS=0`` switches them off. Builds are serialized by a lock file
+beside the build folder, so a build killed midway (which leaves the extension builder's own lock
+behind) does not keep the next one waiting.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -42,6 +46,8 @@ class Loaded:
 
 
 _state: Loaded | None = None
+KERNELS = ("fused_moe", "linear", "paged_attention", "rms_norm", "rope_cache")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _csrc() -> Path:
@@ -84,9 +90,21 @@ def _library(directory: Path) -> Path:
 
 
 def _compile(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time (released at the end of the block)
+        if _library(directory).exists():  # another process built it meanwhile
+            torch.ops.load_library(str(_library(directory)))
+            return _library(directory)
+        # the extension builder's own lock file, left by a build that was killed: stale, since
+        # every build of this folder holds the lock above
+        (directory / "lock").unlink(missing_ok=True)
+        return _build(directory)
+
+
+def _build(directory: Path) -> Path:
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
     # ninja from this environment's bin (the `ninja` package) when PATH lacks it
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -133,7 +151,11 @@ def load(build: bool = True) -> Loaded:
 def main() -> int:
     state = load()
     if state.ok:
-        print(f"afdserve: kernels ready ({state.path})")
+        from afdserve.kernels import supports
+
+        runs = [f"{k} ({', '.join(str(d).removeprefix('torch.') for d in DTYPES if supports(k, torch.zeros(1, dtype=d)))})"
+                for k in KERNELS]
+        print(f"afdserve: kernels ready ({state.path}): {'; '.join(runs)}")
     else:
         print(f"afdserve: kernels unavailable ({state.reason}); the PyTorch paths will serve")
     return 0

@@ -6,28 +6,36 @@ import torch
 
 
 def register() -> None:
+    """Registers the shape function of every op this build defines (a build for a CPU without
+    AVX-512 defines only some: ``supported`` says which run)."""
     lib = "afdserve_kernels::"
+    ns = torch.ops.afdserve_kernels
 
-    @torch.library.register_fake(lib + "fused_moe")
+    def fake(name: str):
+        if hasattr(ns, name):
+            return torch.library.register_fake(lib + name)
+        return lambda fn: fn
+
+    @fake("fused_moe")
     def _(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit):
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "linear")
+    @fake("linear")
     def _(x, w, bias, n, out_dtype):
         return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
 
-    @torch.library.register_fake(lib + "paged_attention")
+    @fake("paged_attention")
     def _(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale, sinks):
         return torch.empty_like(q)
 
-    @torch.library.register_fake(lib + "rms_norm")
+    @fake("rms_norm")
     def _(x, w, eps):
         return torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "add_rms_norm")
+    @fake("add_rms_norm")
     def _(x, residual, w, eps):
         return torch.empty_like(x), torch.empty_like(x)
 
-    @torch.library.register_fake(lib + "rope_cache")
+    @fake("rope_cache")
     def _(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, eps):
         return qkv.new_empty(qkv.shape[0], heads, k_cache.shape[2])

@@ -38,16 +38,25 @@ _ROWS_HINT = 64
 PLAIN, STACKED, SIDE_BY_SIDE = 0, 1, 2
 
 _available: bool | None = None
+_switched_on: bool | None = None
 # (data_ptr, shape, stride, layout) -> (weak reference to the weight's base, version, packed [N, K])
 _packed: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+def packing_switched_on() -> bool:
+    """Packed weights are not switched off (``AFDSERVE_PACKED_WEIGHTS=0``)."""
+    global _switched_on
+    if _switched_on is None:
+        _switched_on = os.environ.get("AFDSERVE_PACKED_WEIGHTS", "1") != "0"
+    return _switched_on
+
+
 def packing_available() -> bool:
-    """oneDNN with bf16 GEMMs on this CPU, and not switched off (``AFDSERVE_PACKED_WEIGHTS=0``)."""
+    """oneDNN with bf16 GEMMs on this CPU, and packing not switched off."""
     global _available
     if _available is None:
         try:
-            _available = os.environ.get("AFDSERVE_PACKED_WEIGHTS", "1") != "0" and bool(
+            _available = packing_switched_on() and bool(
                 torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
         except (AttributeError, RuntimeError):
             _available = False
@@ -56,16 +65,17 @@ def packing_available() -> bool:
 
 def reset_packing(keep_packed: bool = False) -> None:
     """Reads ``AFDSERVE_PACKED_WEIGHTS`` again; drops every packed copy unless ``keep_packed``."""
-    global _available
-    _available = None
+    global _available, _switched_on
+    _available = _switched_on = None
     if not keep_packed:
         _packed.clear()
 
 
 def packs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``linear`` runs ``x @ w.T`` through a packed weight."""
-    return x.dtype == w.dtype and w.device.type == "cpu" and packing_available() and (
-        _kernel(x) or w.dtype == torch.bfloat16)
+    """Whether ``linear`` runs ``x @ w.T`` through a packed weight: afdserve's kernel where it runs
+    (whether or not oneDNN has bf16 GEMMs on this CPU), else oneDNN's for bfloat16."""
+    return x.dtype == w.dtype and w.device.type == "cpu" and packing_switched_on() and (
+        _kernel(x) or (w.dtype == torch.bfloat16 and packing_available()))
 
 
 def _kernel(x: torch.Tensor) -> bool:

@@ -25,10 +25,12 @@
 namespace afd {
 
 bool attention_supported(c10::ScalarType dt) {
-  return kHaveAvx512 && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  return kHaveVec && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
 }
 
 namespace {
+
+#if defined(AFD_VEC)
 
 #if defined(__AVX512F__)
 
@@ -57,6 +59,67 @@ inline void transpose16(__m512 r[16]) {
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
   }
 }
+
+// the lanes j of a chunk of keys from position c0 whose position c0 + j is in [lo, hi]
+using Keep = __mmask16;
+inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)), lanes);
+  return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(lo)), _MM_CMPINT_NLT) &
+         _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(hi)), _MM_CMPINT_LE);
+}
+inline float keep_max(Keep k, V16 s) { return _mm512_mask_reduce_max_ps(k, s); }
+inline V16 keep_only(Keep k, V16 v) { return _mm512_maskz_mov_ps(k, v); }
+
+#else  // AFD_AVX2
+
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// 16 rows of 16 floats transposed, as four 8x8 blocks
+inline void transpose16(V16 r[16]) {
+  __m256 a[8], b[8], c[8], d[8];
+  for (int i = 0; i < 8; ++i) a[i] = r[i].lo, b[i] = r[i + 8].lo, c[i] = r[i].hi, d[i] = r[i + 8].hi;
+  transpose8(a), transpose8(b), transpose8(c), transpose8(d);
+  for (int i = 0; i < 8; ++i) r[i] = {a[i], b[i]}, r[i + 8] = {c[i], d[i]};
+}
+
+using Keep = uint32_t;  // a bit per lane
+inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
+  const int64_t j0 = std::max<int64_t>(0, lo - c0), j1 = std::min<int64_t>(15, hi - c0);
+  return j0 > j1 ? 0u : ((2u << j1) - 1u) & ~((1u << j0) - 1u);
+}
+inline float keep_max(Keep k, V16 s) {
+  alignas(32) float t[16];
+  vstore(t, s);
+  float m = -INFINITY;
+  for (int j = 0; j < 16; ++j) if (k >> j & 1u) m = std::max(m, t[j]);
+  return m;
+}
+inline V16 keep_only(Keep k, V16 v) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i lo = _mm256_set1_epi32(static_cast<int32_t>(k & 0xffu)), hi = _mm256_set1_epi32(static_cast<int32_t>(k >> 8));
+  const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));
+  const __m256 mh = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit));
+  return {_mm256_and_ps(v.lo, ml), _mm256_and_ps(v.hi, mh)};
+}
+
+#endif  // __AVX512F__ / AFD_AVX2
 
 struct Tile {
   int32_t seq, kv_head, token0, ntok, head0, nheads;
@@ -101,14 +164,14 @@ inline int64_t first_key(const Tile& tl, const Batch& bt) {
 // Scores of R query vectors (rows of `qf`, stride `ld`) against one chunk of 16 keys (`kt`:
 // [dim][16] float32): s[r] = sum_d qf[r][d] * kt[d]
 template <int R>
-inline void chunk_scores(const float* qf, int64_t ld, const float* kt, int64_t hd, __m512* s) {
-  __m512 c[R];
+inline void chunk_scores(const float* qf, int64_t ld, const float* kt, int64_t hd, V16* s) {
+  V16 c[R];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) c[r] = vzero();
   for (int64_t d = 0; d < hd; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    const V16 k = vload(kt + d * 16);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * ld + d]), k, c[r]);
+    for (int r = 0; r < R; ++r) c[r] = vfmadd(vset1(qf[r * ld + d]), k, c[r]);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) s[r] = c[r];
@@ -122,28 +185,28 @@ inline void chunk_values(const float* p, int nk, const int64_t* slots, const T* 
   for (int64_t d0 = 0; d0 < hd; d0 += 32) {
     const int n0 = static_cast<int>(std::min<int64_t>(16, hd - d0));
     const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d0 - 16)));
-    __m512 a0[RB], a1[RB];
+    V16 a0[RB], a1[RB];
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      a0[r] = _mm512_loadu_ps(acc + r * ld + d0);
-      a1[r] = _mm512_loadu_ps(acc + r * ld + d0 + 16);
+      a0[r] = vload(acc + r * ld + d0);
+      a1[r] = vload(acc + r * ld + d0 + 16);
     }
     for (int j = 0; j < nk; ++j) {
       if (slots[j] < 0) continue;
       const T* vr = vc + (slots[j] * nkv + g) * hd + d0;
-      const __m512 v0 = load16(vr, n0);
-      const __m512 v1 = n1 > 0 ? load16(vr + 16, n1) : _mm512_setzero_ps();
+      const V16 v0 = load16(vr, n0);
+      const V16 v1 = n1 > 0 ? load16(vr + 16, n1) : vzero();
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        const __m512 pj = _mm512_set1_ps(p[r * 16 + j]);
-        a0[r] = _mm512_fmadd_ps(pj, v0, a0[r]);
-        a1[r] = _mm512_fmadd_ps(pj, v1, a1[r]);
+        const V16 pj = vset1(p[r * 16 + j]);
+        a0[r] = vfmadd(pj, v0, a0[r]);
+        a1[r] = vfmadd(pj, v1, a1[r]);
       }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
-      _mm512_storeu_ps(acc + r * ld + d0, a0[r]);
-      _mm512_storeu_ps(acc + r * ld + d0 + 16, a1[r]);
+      vstore(acc + r * ld + d0, a0[r]);
+      vstore(acc + r * ld + d0 + 16, a1[r]);
     }
   }
 }
@@ -192,46 +255,39 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
     const T* src = q + (tok * nh + head) * hd;
     for (int64_t d = 0; d < ld; d += 16) {
       const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d)));
-      _mm512_storeu_ps(qf + r * ld + d, n > 0 ? _mm512_mul_ps(load16(src + d, n), _mm512_set1_ps(bt.scale))
-                                              : _mm512_setzero_ps());
+      vstore(qf + r * ld + d, n > 0 ? vmul(load16(src + d, n), vset1(bt.scale)) : vzero());
     }
   }
   int64_t k0 = lo[0], k1 = hi[0];
   for (int r = 1; r < real; ++r) { k0 = std::min(k0, lo[r]); k1 = std::max(k1, hi[r]); }
   k0 -= k0 % 16;  // chunks aligned to 16 positions
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   alignas(64) float p[R * 16];
-  __m512 s[R];
+  V16 s[R];
   prefetch_rows(slots, k0, std::min(k0 + 16, k1 + 1), kc, vc, nkv, tl.kv_head, hd);
   for (int64_t c0 = k0; c0 <= k1; c0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, k1 + 1 - c0));
     prefetch_rows(slots, c0 + 16, std::min(c0 + 32, k1 + 1), kc, vc, nkv, tl.kv_head, hd);  // the next chunk
     for (int64_t d = 0; d < nd; ++d) {  // the chunk's keys as float32, transposed: kt[dim][key]
-      __m512 rows[16];
+      V16 rows[16];
       const int n = static_cast<int>(std::min<int64_t>(16, hd - 16 * d));
       for (int j = 0; j < 16; ++j) {
         const int64_t sl = j < nk ? slots[c0 + j] : -1;
-        rows[j] = sl < 0 ? _mm512_setzero_ps() : load16(kc + (sl * nkv + tl.kv_head) * hd + 16 * d, n);
+        rows[j] = sl < 0 ? vzero() : load16(kc + (sl * nkv + tl.kv_head) * hd + 16 * d, n);
       }
       transpose16(rows);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (16 * d + j) * 16, rows[j]);
+      for (int j = 0; j < 16; ++j) vstore(kt + (16 * d + j) * 16, rows[j]);
     }
     chunk_scores<R>(qf, ld, kt, hd, s);
-    const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(c0)), lanes);
     for (int r = 0; r < R; ++r) {
-      __mmask16 keep = _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(lo[r])), _MM_CMPINT_NLT) &
-                       _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(hi[r])), _MM_CMPINT_LE);
-      const float mnew = keep ? std::max(m[r], _mm512_mask_reduce_max_ps(keep, s[r])) : m[r];
+      const Keep keep = keep_range(c0, lo[r], hi[r]);
+      const float mnew = keep ? std::max(m[r], keep_max(keep, s[r])) : m[r];
       const float corr = mnew == -INFINITY ? 1.0f : std::exp(m[r] - mnew);  // 0 on the first chunk
-      const __m512 e = keep ? _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(s[r], _mm512_set1_ps(mnew))))
-                            : _mm512_setzero_ps();
-      _mm512_store_ps(p + r * 16, e);
-      l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+      const V16 e = keep ? keep_only(keep, exp16(vsub(s[r], vset1(mnew)))) : vzero();
+      vstore(p + r * 16, e);
+      l[r] = l[r] * corr + vsum(e);
       m[r] = mnew;
       if (corr != 1.0f) {
-        for (int64_t i = 0; i < ld; i += 16) {
-          _mm512_storeu_ps(acc + r * ld + i, _mm512_mul_ps(_mm512_loadu_ps(acc + r * ld + i), _mm512_set1_ps(corr)));
-        }
+        for (int64_t i = 0; i < ld; i += 16) vstore(acc + r * ld + i, vmul(vload(acc + r * ld + i), vset1(corr)));
       }
     }
     for (int r0 = 0; r0 < real; r0 += 8) {
@@ -252,7 +308,7 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
     }
     T* dst = out + (tok * nh + head) * hd;
     for (int64_t d = 0; d < nd; ++d) {
-      store16(dst + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * ld + 16 * d), _mm512_set1_ps(scale)),
+      store16(dst + 16 * d, vmul(vload(acc + r * ld + 16 * d), vset1(scale)),
               static_cast<int>(std::min<int64_t>(16, hd - 16 * d)));
     }
   }
@@ -328,13 +384,13 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::T
   });
 }
 
-#endif  // __AVX512F__
+#endif  // AFD_VEC
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& cu_q,
                            int64_t block_size, int64_t window, double scale, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(attention_supported(q.scalar_type()), "afdserve paged_attention: no kernel for ", q.scalar_type(),
-              " on this CPU (needs AVX-512)");
+              " on this CPU (needs AVX-512, or AVX2 with FMA and F16C)");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "paged_attention: caches must be contiguous [slots, kv_heads, head_dim]");
@@ -351,7 +407,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "paged_attention: sinks must be float32 [heads]");
   TORCH_CHECK(block_size >= 1, "paged_attention: block_size below 1");
   at::Tensor out = at::empty_like(q);
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
       AT_DISPATCH_CASE(at::kFloat, [&] { paged_attention_impl<float>(q, k_cache, v_cache, out, block_tables, kv_lens, cu_q, block_size, window, scale, sinks); })
       AT_DISPATCH_CASE(at::kBFloat16, [&] { paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, out, block_tables, kv_lens, cu_q, block_size, window, scale, sinks); })

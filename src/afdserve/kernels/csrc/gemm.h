@@ -60,6 +60,72 @@ inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool 
   for (int r = 0; r < 2 * R; ++r) _mm512_storeu_ps(out + 16 * r, c[r]);
 }
 
+#elif defined(AFD_AVX2)
+
+// the same tile with 8-float vectors, R <= 2 rows at a time (16 registers): a bfloat16 unit's pair
+// of weights is widened to float32 (the even k by a shift, the odd one by a mask), two FMAs
+template <typename T, int R>
+inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool accumulate, bool prefetch) {
+  __m256 c[4 * R];
+#pragma GCC unroll 8
+  for (int r = 0; r < 4 * R; ++r) c[r] = accumulate ? _mm256_loadu_ps(out + 8 * r) : _mm256_setzero_ps();
+  const char* pf = reinterpret_cast<const char*>(w) + units * NB * 4;  // the next chunk
+  const __m256i odd = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t i = 0; i < units; ++i) {
+    const uint32_t* ai = a + i * MR;
+    if (prefetch) _mm_prefetch(pf + i * 128, _MM_HINT_T0), _mm_prefetch(pf + i * 128 + 64, _MM_HINT_T0);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      __m256 x0[R], x1[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_set1_epi32(static_cast<int32_t>(ai[r]));
+        x0[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xv, 16));
+        x1[r] = _mm256_castsi256_ps(_mm256_and_si256(xv, odd));
+      }
+      const __m256i* wp = reinterpret_cast<const __m256i*>(reinterpret_cast<const int16_t*>(w) + i * 64);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {  // 8 outputs each: [8][2] bfloat16
+        const __m256i wv = _mm256_loadu_si256(wp + q);
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(wv, odd));
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          c[4 * r + q] = _mm256_fmadd_ps(x0[r], w0, c[4 * r + q]);
+          c[4 * r + q] = _mm256_fmadd_ps(x1[r], w1, c[4 * r + q]);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256 wq = _mm256_loadu_ps(w + i * NB + 8 * q);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+          c[4 * r + q] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(ai[r]))), wq,
+                                         c[4 * r + q]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < 4 * R; ++r) _mm256_storeu_ps(out + 8 * r, c[r]);
+}
+
+// rows of a group two at a time (the first pair prefetches the next chunk)
+template <typename T>
+inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float* out, bool acc, bool pf) {
+  for (int r = 0; r < n; r += 2) {
+    if (n - r >= 2) {
+      tile<T, 2>(a + r, w, units, out + r * NB, acc, pf && r == 0);
+    } else {
+      tile<T, 1>(a + r, w, units, out + r * NB, acc, pf && r == 0);
+    }
+  }
+}
+
+#endif
+
+#if defined(__AVX512F__)
+
 template <typename T>
 inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float* out, bool acc, bool pf) {
   switch (n) {
@@ -73,6 +139,10 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
     default: tile<T, 8>(a, w, units, out, acc, pf); break;
   }
 }
+
+#endif  // __AVX512F__
+
+#if defined(AFD_VEC)
 
 // One column block `w` ([units][32] units) for `rows` rows packed in groups at `a` ([groups][units][MR]):
 // out[row][0:32] float32 (row-major, 32 per row)
@@ -94,6 +164,6 @@ inline void pack_row(const uint32_t* row, int64_t units, int r, uint32_t* g) {
   for (int64_t i = 0; i < units; ++i) g[i * MR + r] = row[i];
 }
 
-#endif  // __AVX512F__
+#endif  // AFD_VEC
 
 }  // namespace afd

@@ -19,16 +19,16 @@
 namespace afd {
 
 bool layers_supported(c10::ScalarType dt) {
-  return kHaveAvx512 && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  return kHaveVec && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
 }
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
 
 // v rounded to T and back (identity for float32)
 template <typename T>
-inline __m512 round_to(__m512 v) {
+inline V16 round_to(V16 v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
@@ -41,16 +41,16 @@ inline __m512 round_to(__m512 v) {
 // y[0:n] = w * rounded(x * rsqrt(mean(x^2) + eps)), x read as float32 from `x` (n <= 16 * kMaxChunks)
 template <typename T, typename W>
 inline void norm_row(const float* x, int64_t n, const W* w, float eps, T* y) {
-  __m512 ss = _mm512_setzero_ps();
+  V16 ss = vzero();
   for (int64_t i = 0; i < n; i += 16) {
-    __m512 v = _mm512_loadu_ps(x + i);  // the caller's buffer is padded with zeros to 16
-    ss = _mm512_fmadd_ps(v, v, ss);
+    V16 v = vload(x + i);  // the caller's buffer is padded with zeros to 16
+    ss = vfmadd(v, v, ss);
   }
-  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+  const float inv = 1.0f / std::sqrt(vsum(ss) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; i += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, n - i));
-    __m512 v = round_to<T>(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
-    store16(y + i, _mm512_mul_ps(load16(w + i, m), v), m);
+    V16 v = round_to<T>(vmul(vload(x + i), vset1(inv)));
+    store16(y + i, vmul(load16(w + i, m), v), m);
   }
 }
 
@@ -68,12 +68,12 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, double eps, const c
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t i = 0; i < d; i += 16) {
         const int m = static_cast<int>(std::min<int64_t>(16, d - i));
-        __m512 v = load16(xp + r * d + i, m);
+        V16 v = load16(xp + r * d + i, m);
         if (rp != nullptr) {
-          v = round_to<T>(_mm512_add_ps(v, load16(rp + r * d + i, m)));
+          v = round_to<T>(vadd(v, load16(rp + r * d + i, m)));
           store16(hp + r * d + i, v, m);
         }
-        _mm512_storeu_ps(buf.data() + i, v);
+        vstore(buf.data() + i, v);
       }
       norm_row<T>(buf.data(), d, wp, static_cast<float>(eps), yp + r * d);
     }
@@ -109,20 +109,20 @@ inline void rotate_head(const T* src, int64_t d, const T* cos, const T* sin, int
                         float* buf, T* dst) {
   for (int64_t i = 0; i < d; i += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, d - i));
-    _mm512_storeu_ps(buf + i, load16(src + i, m));
+    vstore(buf + i, load16(src + i, m));
   }
   if (w != nullptr) {  // RMS norm of the head, rounded to T like the module's output
     alignas(64) T normed[512];
     norm_row<T>(buf, d, w, eps, normed);
     for (int64_t i = 0; i < d; i += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, d - i));
-      _mm512_storeu_ps(buf + i, load16(normed + i, m));
+      vstore(buf + i, load16(normed + i, m));
     }
   }
   const int64_t half = rot / 2;
   for (int64_t i = 0; i < d; i += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, d - i));
-    __m512 x = _mm512_loadu_ps(buf + i);
+    V16 x = vload(buf + i);
     if (i < rot) {  // rot is a multiple of 2; its lanes past rot keep x (below)
       const int mr = static_cast<int>(std::min<int64_t>(16, rot - i));
       alignas(64) float other[16];
@@ -130,9 +130,9 @@ inline void rotate_head(const T* src, int64_t d, const T* cos, const T* sin, int
         const int64_t k = i + j;
         other[j] = k < half ? -buf[k + half] : buf[k - half];
       }
-      __m512 a = round_to<T>(_mm512_mul_ps(x, load16(cos + i, mr)));
-      __m512 b = round_to<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(mr), other), load16(sin + i, mr)));
-      x = _mm512_mask_mov_ps(x, tail_mask(mr), _mm512_add_ps(a, b));
+      V16 a = round_to<T>(vmul(x, load16(cos + i, mr)));
+      V16 b = round_to<T>(vmul(load16(other, mr), load16(sin + i, mr)));
+      x = vfirst(x, vadd(a, b), mr);
     }
     store16(dst + i, x, m);
   }
@@ -209,12 +209,12 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-#endif  // __AVX512F__
+#endif  // AFD_VEC
 
 }  // namespace
 }  // namespace afd
 
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");

@@ -12,14 +12,14 @@
 namespace afd {
 
 bool linear_supported(c10::ScalarType dt) {
-  if (dt == at::kFloat) return kHaveAvx512;
-  if (dt == at::kBFloat16) return kHaveAvx512 && kHaveAvx512Bf16;
+  if (dt == at::kFloat) return kHaveVec;
+  if (dt == at::kBFloat16) return kHaveBf16Gemm;
   return false;
 }
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
 
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
@@ -43,21 +43,21 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
       const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
       const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
       block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data());
-      __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+      V16 b0 = vzero(), b1 = vzero();
       if (bp != nullptr) {
         b0 = load16(bp + col, n0);
         if (n1 > 0) b1 = load16(bp + col + 16, n1);
       }
       for (int64_t r = 0; r < M; ++r) {
         const float* o = acc.data() + r * NB;
-        store16(op + r * n + col, _mm512_add_ps(_mm512_loadu_ps(o), b0), n0);
-        if (n1 > 0) store16(op + r * n + col + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), b1), n1);
+        store16(op + r * n + col, vadd(vload(o), b0), n0);
+        if (n1 > 0) store16(op + r * n + col + 16, vadd(vload(o + 16), b1), n1);
       }
     }
   });
 }
 
-#endif  // __AVX512F__
+#endif  // AFD_VEC
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                   c10::optional<at::ScalarType> out_dtype) {
@@ -73,7 +73,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(odt));
   if (x.size(0) == 0) return out;
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
   if (dt == at::kFloat) {
     linear_impl<float, float>(x, w, bias, n, out);
   } else if (odt == at::kFloat) {

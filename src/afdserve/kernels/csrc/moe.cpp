@@ -27,29 +27,29 @@ bool moe_supported(c10::ScalarType dt);
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
 
 // 0: silu(gate) * up; 1: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
-inline __m512 activation(__m512 gate, __m512 up, int kind, float alpha, float limit) {
-  if (kind == 0) return _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid16(gate)), up);
-  __m512 lim = _mm512_set1_ps(limit);
-  gate = _mm512_min_ps(gate, lim);
-  up = _mm512_max_ps(_mm512_min_ps(up, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
-  __m512 glu = _mm512_mul_ps(gate, sigmoid16(_mm512_mul_ps(gate, _mm512_set1_ps(alpha))));
-  return _mm512_mul_ps(_mm512_add_ps(up, _mm512_set1_ps(1.0f)), glu);
+inline V16 activation(V16 gate, V16 up, int kind, float alpha, float limit) {
+  if (kind == 0) return vmul(vmul(gate, sigmoid16(gate)), up);
+  V16 lim = vset1(limit);
+  gate = vmin(gate, lim);
+  up = vmax(vmin(up, lim), vsub(vzero(), lim));
+  V16 glu = vmul(gate, sigmoid16(vmul(gate, vset1(alpha))));
+  return vmul(vadd(up, vset1(1.0f)), glu);
 }
 
 // 16 activations of row r (columns col..col+15) into the packed rows of its group
 template <typename T>
-inline void store_packed(uint32_t* group, int64_t col, int r, __m512 v) {
+inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     alignas(32) uint32_t pairs[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16(v));
     for (int q = 0; q < 8; ++q) group[(col / 2 + q) * MR + r] = pairs[q];
   } else {
-    alignas(64) uint32_t f[16];
-    _mm512_store_si512(f, _mm512_castps_si512(v));
-    for (int q = 0; q < 16; ++q) group[(col + q) * MR + r] = f[q];
+    alignas(64) float f[16];
+    vstore(f, v);
+    for (int q = 0; q < 16; ++q) std::memcpy(&group[(col + q) * MR + r], &f[q], 4);
   }
 }
 
@@ -124,15 +124,14 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
         block_gemm<T>(a1.data() + group0[e] * u1 * MR, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data());
-        __m512 bg = _mm512_setzero_ps(), bu = _mm512_setzero_ps();
+        V16 bg = vzero(), bu = vzero();
         if (b13p != nullptr) {
           bg = load16(b13p + e * 2 * inter + col, static_cast<int>(ncols));
           bu = load16(b13p + e * 2 * inter + inter + col, static_cast<int>(ncols));
         }
         for (int64_t r = 0; r < rows; ++r) {
           const float* gu = acc.data() + r * NB;
-          __m512 v = activation(_mm512_add_ps(_mm512_loadu_ps(gu), bg), _mm512_add_ps(_mm512_loadu_ps(gu + 16), bu),
-                                act, a, l);
+          V16 v = activation(vadd(vload(gu), bg), vadd(vload(gu + 16), bu), act, a, l);
           store_packed<T>(a2.data() + (group0[e] + r / MR) * u2 * MR, col, static_cast<int>(r % MR), v);
         }
       }
@@ -148,7 +147,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
         const int64_t col = c * NB;
         const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col)));
         const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, H - col - 16)));
-        __m512 bias0 = _mm512_setzero_ps(), bias1 = _mm512_setzero_ps();
+        V16 bias0 = vzero(), bias1 = vzero();
         if (b2p != nullptr) {
           bias0 = load16(b2p + e * H + col, n0);
           if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
@@ -157,8 +156,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
         for (int64_t r = 0; r < rows; ++r) {
           float* y = yp + (start[e] + r) * H + col;
           const float* o = acc.data() + r * NB;
-          store16(y, _mm512_add_ps(_mm512_loadu_ps(o), bias0), n0);
-          if (n1 > 0) store16(y + 16, _mm512_add_ps(_mm512_loadu_ps(o + 16), bias1), n1);
+          store16(y, vadd(vload(o), bias0), n0);
+          if (n1 > 0) store16(y + 16, vadd(vload(o + 16), bias1), n1);
         }
       }
     }
@@ -169,10 +168,10 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < H; h += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, H - h));
-        __m512 s = _mm512_setzero_ps();
+        V16 s = vzero();
         for (int64_t j = 0; j < K; ++j) {
           const int64_t p = pair_of[t * K + j];
-          if (p >= 0) s = _mm512_fmadd_ps(_mm512_set1_ps(wp[t * K + j]), load16(yp + p * H + h, n), s);
+          if (p >= 0) s = vfmadd(vset1(wp[t * K + j]), load16(yp + p * H + h, n), s);
         }
         store16(op + t * H + h, s, n);
       }
@@ -181,7 +180,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   return out;
 }
 
-#endif  // __AVX512F__
+#endif  // AFD_VEC
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -205,7 +204,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
     TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                 "fused_moe: biases must be contiguous float32");
   }
-#if defined(__AVX512F__)
+#if defined(AFD_VEC)
   return AT_DISPATCH_SWITCH(x.scalar_type(), "fused_moe",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         return ids.scalar_type() == at::kInt
@@ -225,8 +224,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
 }  // namespace
 
 bool moe_supported(c10::ScalarType dt) {
-  if (dt == at::kFloat) return kHaveAvx512;
-  if (dt == at::kBFloat16) return kHaveAvx512 && kHaveAvx512Bf16;
+  if (dt == at::kFloat) return kHaveVec;
+  if (dt == at::kBFloat16) return kHaveBf16Gemm;
   return false;
 }
 

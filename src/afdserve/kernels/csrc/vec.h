@@ -1,15 +1,25 @@
-// Vector helpers shared by the CPU kernels: 16-lane float vectors loaded from and stored to
-// float32, bfloat16 or float16 memory (with a mask for tails), and a vectorized exp.
+// Vector helpers shared by the CPU kernels: 16-lane float vectors (V16) loaded from and stored to
+// float32, bfloat16 or float16 memory (with a count for tails), and a vectorized exp.
 //
-// The kernels are compiled for the machine that builds them (-march=native). Without AVX-512
-// (__AVX512F__) they are not built at all: afdserve then keeps its PyTorch paths.
+// The kernels are compiled for the machine that builds them (-march=native). With AVX-512 a V16 is
+// one __m512; with AVX2, FMA and F16C (AFD_AVX2) it is a pair of __m256 halves, and the kernels
+// written with these helpers (the GEMMs, the fused MoE, the norms) run too. Without either they are
+// not built at all: afdserve then keeps its PyTorch paths (ops.cpp: supported).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define AFD_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(AFD_AVX2)
+#define AFD_VEC 1
+#endif
 
 namespace afd {
 
@@ -24,6 +34,15 @@ constexpr bool kHaveAvx512Bf16 = true;
 #else
 constexpr bool kHaveAvx512Bf16 = false;
 #endif
+
+// the V16 helpers (and the GEMM, MoE, linear and norm kernels) are built
+#if defined(AFD_VEC)
+constexpr bool kHaveVec = true;
+#else
+constexpr bool kHaveVec = false;
+#endif
+// bfloat16 GEMMs: with AVX512-BF16 (vdpbf16ps), or with AVX2 (bfloat16 widened to float32)
+constexpr bool kHaveBf16Gemm = (kHaveAvx512 && kHaveAvx512Bf16) || !kHaveAvx512 && kHaveVec;
 
 #if defined(__AVX512F__)
 
@@ -85,6 +104,139 @@ inline __m512 sigmoid16(__m512 x) {
   return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
-#endif  // __AVX512F__
+using V16 = __m512;
+inline V16 vzero() { return _mm512_setzero_ps(); }
+inline V16 vset1(float f) { return _mm512_set1_ps(f); }
+inline V16 vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 vfmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline V16 vmin(V16 a, V16 b) { return _mm512_min_ps(a, b); }
+inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline float vsum(V16 v) { return _mm512_reduce_add_ps(v); }
+// the first n lanes of `take`, the others of `keep`
+inline V16 vfirst(V16 keep, V16 take, int n) { return _mm512_mask_mov_ps(keep, tail_mask(n), take); }
+
+#elif defined(AFD_AVX2)
+
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float vsum(V16 v) {
+  __m256 s = _mm256_add_ps(v.lo, v.hi);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+// the first n lanes of `take`, the others of `keep`
+inline V16 vfirst(V16 keep, V16 take, int n) {
+  const __m256i n8 = _mm256_set1_epi32(n), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, iota));
+  const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, _mm256_add_epi32(iota, _mm256_set1_epi32(8))));
+  return {_mm256_blendv_ps(keep.lo, take.lo, lo), _mm256_blendv_ps(keep.hi, take.hi, hi)};
+}
+
+// 16 (or n < 16, the rest 0) elements of T as floats
+inline V16 load16(const float* p, int n = 16) {
+  if (n >= 16) return vload(p);
+  alignas(32) float t[16] = {};
+  std::memcpy(t, p, sizeof(float) * (n > 0 ? n : 0));
+  return vload(t);
+}
+inline __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V16 load16(const at::BFloat16* p, int n = 16) {
+  alignas(32) uint16_t t[16] = {};
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
+  return {bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+          bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)))};
+}
+inline V16 load16(const at::Half* p, int n = 16) {
+  alignas(32) uint16_t t[16] = {};
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)))};
+}
+
+// float -> bfloat16 rounded to nearest even (NaN kept a NaN), as at::BFloat16 does: 16 values
+inline __m256i bf16_bits(__m256 v) {  // 8 values in the low halves of 32-bit lanes
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+  return _mm256_srli_epi32(r, 16);
+}
+inline __m256i to_bf16(V16 v) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(v.lo), bf16_bits(v.hi)), 0xd8);
+}
+
+inline void store16(float* p, V16 v, int n = 16) {
+  if (n >= 16) return vstore(p, v);
+  alignas(32) float t[16];
+  vstore(t, v);
+  std::memcpy(p, t, sizeof(float) * (n > 0 ? n : 0));
+}
+inline void store16(at::BFloat16* p, V16 v, int n = 16) {
+  alignas(32) uint16_t t[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), to_bf16(v));
+  std::memcpy(p, t, sizeof(uint16_t) * (n < 16 ? (n > 0 ? n : 0) : 16));
+}
+inline void store16(at::Half* p, V16 v, int n = 16) {
+  alignas(32) uint16_t t[16];
+  constexpr int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm_store_si128(reinterpret_cast<__m128i*>(t), _mm256_cvtps_ph(v.lo, rnd));
+  _mm_store_si128(reinterpret_cast<__m128i*>(t + 8), _mm256_cvtps_ph(v.hi, rnd));
+  std::memcpy(p, t, sizeof(uint16_t) * (n < 16 ? (n > 0 ? n : 0) : 16));
+}
+
+// exp of 8 floats, as exp16 of the AVX-512 build: 2^n applied in two factors (each a normal
+// float), so that results down through the denormals come out as scalef gives them
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-104.0f);
+  __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i ni = _mm256_cvtps_epi32(n);
+  __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  auto pow2 = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(n2));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+inline V16 exp16(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+inline V16 sigmoid16(V16 x) {
+  const V16 one = vset1(1.0f);
+  V16 d = vadd(one, exp16(vsub(vzero(), x)));
+  return {_mm256_div_ps(one.lo, d.lo), _mm256_div_ps(one.hi, d.hi)};
+}
+
+#endif  // __AVX512F__ / AFD_AVX2
 
 }  // namespace afd
