@@ -1,6 +1,6 @@
 """Cores lent between the workers of one machine (runtime.core_board, kernels/csrc/lend.h): what a
-fused MoE slice may borrow, the claim protocol, results unchanged by borrowed threads, and a local
-deployment that lends (and cleans its board up)."""
+fused MoE or LM-head slice may borrow, the claim protocol, results unchanged by borrowed threads,
+the slots of both roles, and a local deployment that lends (and cleans its board up)."""
 
 import os
 import random
@@ -10,7 +10,7 @@ import torch
 
 from afdserve import LLM, SamplingParams, kernels
 from afdserve.kernels import build
-from afdserve.runtime.core_board import SLOTS, CoreBoard
+from afdserve.runtime.core_board import SLOTS, CoreBoard, slot
 from tiny_models import hf_greedy
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
@@ -82,6 +82,41 @@ def test_borrowed_threads_leave_the_moe_output_unchanged(board, dtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, lent)  # threads split the column blocks: the same arithmetic per output
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_borrowed_threads_leave_the_lm_head_unchanged(board, dtype):
+    """An LM-head-sized linear (2^24 multiply-adds or more) borrows the threads an expert worker lends
+    while it waits; its logits are the same bits."""
+    from afdserve.kernels.linear import linear, pack
+
+    if not kernels.supports("linear", torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"no linear kernel for {dtype} on this CPU")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 256, generator=g).to(dtype)
+    w = pack((torch.randn(2000, 256, generator=g) * 0.1).to(dtype))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = linear(x, w, 2000, out_dtype=torch.float32)
+        lender = board.lender(slot("expert", 0), 1)
+        board.borrow(1)
+        lender.lend()
+        assert kernels.lent_threads_now() == 1
+        lent = linear(x, w, 2000, out_dtype=torch.float32)
+        assert torch.get_num_threads() == 1
+        assert board.read()[slot("expert", 0)] == (1, 0)  # claims given back
+        lender.reclaim()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, lent)
+
+
+def test_each_role_has_its_half_of_the_board():
+    assert [slot("attention", i) for i in (0, 5)] == [0, 5]
+    assert [slot("expert", j) for j in (0, 5)] == [SLOTS // 2, SLOTS // 2 + 5]
+    assert slot("attention", SLOTS // 2) == -1 and slot("expert", SLOTS // 2) == -1 and slot("expert", -1) == -1
 
 
 def test_a_local_deployment_lends_and_closes_its_board(tiny_model):

@@ -4,15 +4,18 @@ A deployment whose workers share a machine's cores (the local cluster) splits th
 runs ``num_threads`` threads. An attention worker that has nothing to do but wait for expert
 replies leaves its cores idle, most of all during a prefill, whose MoE layers are most of its work.
 So the front end creates a board in shared memory (an anonymous memfd that each local worker
-inherits: nothing is left behind whatever happens to the processes); while an attention worker waits, it lends its
-threads on its slot, and reclaims them when it wakes. An expert worker's fused MoE kernel runs its
-two big phases in slices and, before each, claims the lent threads no other worker holds
-(``kernels/csrc/lend.h``): at most one slice later, an attention worker that woke has its cores back.
-An attention worker wakes on an expert reply, which comes after the kernel, so the two rarely
-overlap at all.
+inherits: nothing is left behind whatever happens to the processes); while a worker waits, it lends
+its threads on its slot, and reclaims them when it wakes. The big kernels run in slices and, before
+each, claim the lent threads no other worker holds (``kernels/csrc/lend.h``): at most one slice
+later, a worker that woke has its cores back. It goes both ways: an expert worker's fused MoE
+borrows the cores of attention workers waiting for its replies (a prefill's MoE layers are most of
+its work), and an attention worker's LM head borrows those of expert workers waiting for the next
+layer (at a step boundary, when every lane is at its LM head). A waiting worker wakes on the
+other's message, which comes after the kernel, so the two rarely overlap at all.
 
 Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 while it computes),
-row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i.
+row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i, expert
+worker j slot SLOTS / 2 + j (``slot``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from afdserve.kernels.build import cpu_cores
 
 SLOTS = 1024
 _BYTES = 2 * SLOTS * 4
+
+
+def slot(role: str, index: int) -> int:
+    """The board slot of a worker ("attention" or "expert", its index); -1 past its role's half."""
+    half = SLOTS // 2
+    return (index if role == "attention" else half + index) if 0 <= index < half else -1
 
 
 class CoreBoard:
@@ -58,7 +67,8 @@ class CoreBoard:
         return Lender(self._ints, slot, threads) if 0 <= slot < SLOTS and threads > 0 else None
 
     def borrow(self, most: int) -> bool:
-        """This process's fused MoE kernels borrow up to ``most`` lent threads (False: no kernels)."""
+        """This process's big kernels (fused MoE, the LM head's linear) borrow up to ``most`` lent
+        threads (False: no kernels)."""
         return kernels.borrow_lent_threads(self.tensor, most) if most > 0 else False
 
     def read(self) -> list[tuple[int, int]]:
@@ -73,7 +83,7 @@ class CoreBoard:
 
 
 class Lender:
-    """An attention worker's slot: ``lend`` before it waits, ``reclaim`` when it wakes."""
+    """A worker's slot: ``lend`` before it waits, ``reclaim`` when it wakes."""
 
     def __init__(self, ints: memoryview, slot: int, threads: int):
         self._ints, self.slot, self.threads = ints, slot, threads
@@ -88,5 +98,5 @@ class Lender:
 
 
 def borrowable_threads(own: int) -> int:
-    """Threads an expert worker may borrow: the cores it may run on beyond its own threads."""
+    """Threads a worker may borrow: the cores it may run on beyond its own threads."""
     return max(0, cpu_cores() - own)

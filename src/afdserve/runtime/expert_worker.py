@@ -15,7 +15,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.core_board import CoreBoard, borrowable_threads
+from afdserve.runtime.core_board import CoreBoard, Lender, borrowable_threads, slot
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
@@ -46,9 +46,13 @@ class ExpertWorker:
         lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_share > 0 else None
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
                                      lm_head)
-        if spec.core_board is not None:  # the fused MoE kernel borrows the cores of waiting attention workers
+        # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and
+        # this worker lends its own while it waits for their next layer (their LM heads borrow them)
+        self.lender: Lender | None = None
+        if spec.core_board is not None:
             self.board = CoreBoard.attach(spec.core_board)
             self.board.borrow(borrowable_threads(cfg.num_threads or 1))
+            self.lender = self.board.lender(slot("expert", spec.index), cfg.num_threads or 1)
         self.lm_layer = model_cfg.num_layers  # the layer index of LM head shares
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
@@ -64,7 +68,7 @@ class ExpertWorker:
             if not self.waiting_for_regroup and self.links is not None:
                 try:
                     # everything each peer has sent: the same layer of several lanes is computed at once
-                    msgs = self.links.gather(0.05, limit=max_micro_batches(self.spec.config.micro_batches))
+                    msgs = self._gather()
                 except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
                     self._lost(e, ctl)
             links = self.links
@@ -83,6 +87,21 @@ class ExpertWorker:
                 self._round(msgs)
             except PeerFailure as e:
                 self._lost(e, ctl)
+
+    def _gather(self) -> list[tuple[int, Any]]:
+        """Everything each peer has sent, waiting up to 50 ms for something (its cores lent meanwhile)."""
+        assert self.links is not None
+        limit = max_micro_batches(self.spec.config.micro_batches)
+        if self.lender is None:
+            return self.links.gather(0.05, limit=limit)
+        msgs = self.links.gather(0.0, limit=limit)  # what has come: no lending for nothing
+        if msgs:
+            return msgs
+        self.lender.lend()
+        try:
+            return self.links.gather(0.05, limit=limit)
+        finally:
+            self.lender.reclaim()
 
     def _lost(self, e: PeerFailure, ctl: ControlChannel) -> None:
         self.waiting_for_regroup = True

@@ -28,8 +28,10 @@ from afdserve.runtime.links import Links
 from afdserve.runtime.trace import Tracer
 
 GATE_ATTENTION, GATE_EXPERT = 0, 1
-# vocabulary rows of the LM head computed between two chances for other lanes to run
-LM_HEAD_PIECE = 4096
+# the LM head is computed in pieces of about this long (sized by its measured rate), between which
+# other lanes run: a lane whose expert replies came waits at most a piece to feed the experts again
+LM_HEAD_PIECE_S = 250e-6
+LM_HEAD_FIRST_PIECE = 1024  # vocabulary rows of a piece before any was measured
 
 
 @dataclass
@@ -80,6 +82,7 @@ class PipelinedRunner:
         self._expect: dict[int, dict[tuple[int, int, int], tuple[Dispatch, Part]]] = {}
         self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
         self.lender = lender  # this worker's cores, lent to expert workers while it waits for them
+        self._lm_rate = 0.0  # LM head (vocabulary rows x token rows) per second here, measured
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -236,15 +239,31 @@ class PipelinedRunner:
             for j, a, b in shares:
                 self._send(d, j, None, [xn], (step, lane, last, self.version), (a, b), count=False,
                            sink=lambda t, a=a, b=b: logits[:, a:b].copy_(t))
-        for start in range(0, local, LM_HEAD_PIECE):
-            end = min(start + LM_HEAD_PIECE, local)
+        start = 0
+        while start < local:
+            end = min(start + self._lm_piece(xn.shape[0]), local)
+            t0 = time.perf_counter()
             with tr.span("attention", mb=lane, layer=last, phase="lm_head"):
                 m.logits_slice(xn, start, end, logits)
+            self._lm_measured(xn.shape[0] * (end - start), time.perf_counter() - t0)
+            start = end
             yield None
         if d.parts:
             yield d  # its replies are copied into the logits as they come
         self.lm.step_done()
         return logits
+
+    def _lm_piece(self, tokens: int) -> int:
+        """Vocabulary rows of the next LM head piece for ``tokens`` token rows: about
+        ``LM_HEAD_PIECE_S`` at the measured rate, whole blocks of 32 (the packed weight's)."""
+        if self._lm_rate <= 0:
+            return LM_HEAD_FIRST_PIECE
+        return max(256, int(self._lm_rate * LM_HEAD_PIECE_S / max(1, tokens)) // 32 * 32)
+
+    def _lm_measured(self, work: int, seconds: float) -> None:
+        if seconds > 0:
+            rate = work / seconds
+            self._lm_rate = rate if self._lm_rate <= 0 else 0.8 * self._lm_rate + 0.2 * rate
 
     def _deadline(self, rows: int) -> float:
         """When replies to a dispatch of ``rows`` rows are late: a dead peer is detected at once, a

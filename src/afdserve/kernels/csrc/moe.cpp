@@ -53,8 +53,11 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   }
 }
 
-// fewer routed pairs than this do not borrow lent threads (tuning: benchmarks/disagg_phases.py)
-constexpr int64_t kLendMinPairs = 512;
+// fewer routed pairs than this do not borrow lent threads. With vdpbf16ps a decode-sized layer is a
+// few hundred microseconds, and borrowing for it was slower in benchmarks/disagg_phases.py; where
+// bfloat16 is widened to float32 (AVX2) the same layer takes milliseconds and a borrowed thread
+// pays from a decode lane of 32 tokens on (benchmarks/step_trace.py)
+constexpr int64_t kLendMinPairs = kHaveAvx512 && kHaveAvx512Bf16 ? 512 : 32;
 
 template <typename T, typename Id>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
