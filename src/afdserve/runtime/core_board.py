@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -95,6 +97,19 @@ class Lender:
     def reclaim(self) -> None:
         self._ints[self.slot] = 0
         self._ints[SLOTS + self.slot] = 0  # a claim made before the wake lapses at its slice's end
+
+
+@contextmanager
+def lent(lender: "Lender | None") -> Iterator[None]:
+    """The enclosed wait with ``lender``'s threads lent (nothing without a lender)."""
+    if lender is None:
+        yield
+        return
+    lender.lend()
+    try:
+        yield
+    finally:
+        lender.reclaim()
 
 
 def borrowable_threads(own: int) -> int:

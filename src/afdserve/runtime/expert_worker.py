@@ -15,7 +15,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.core_board import CoreBoard, Lender, borrowable_threads, slot
+from afdserve.runtime.core_board import CoreBoard, Lender, borrowable_threads, lent, slot
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
@@ -92,16 +92,12 @@ class ExpertWorker:
         """Everything each peer has sent, waiting up to 50 ms for something (its cores lent meanwhile)."""
         assert self.links is not None
         limit = max_micro_batches(self.spec.config.micro_batches)
-        if self.lender is None:
+        if self.lender is not None:
+            msgs = self.links.gather(0.0, limit=limit)  # what has come: no lending for nothing
+            if msgs:
+                return msgs
+        with lent(self.lender):
             return self.links.gather(0.05, limit=limit)
-        msgs = self.links.gather(0.0, limit=limit)  # what has come: no lending for nothing
-        if msgs:
-            return msgs
-        self.lender.lend()
-        try:
-            return self.links.gather(0.05, limit=limit)
-        finally:
-            self.lender.reclaim()
 
     def _lost(self, e: PeerFailure, ctl: ControlChannel) -> None:
         self.waiting_for_regroup = True

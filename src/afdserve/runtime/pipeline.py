@@ -10,8 +10,7 @@ order per worker) and returns the dispatches they complete. ``forward`` runs one
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Set as AbstractSet
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +18,12 @@ import torch
 
 from afdserve.balance.load import LoadTracker
 from afdserve.comm import PeerTimeoutError
+from afdserve.kernels.packing import BLOCK
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
-from afdserve.runtime.core_board import Lender
+from afdserve.runtime.core_board import Lender, lent
 from afdserve.runtime.links import Links
 from afdserve.runtime.trace import Tracer
 
@@ -122,7 +122,7 @@ class PipelinedRunner:
             if got is None and wait > 0:
                 t0 = time.perf_counter_ns()
                 try:
-                    with self._lent():
+                    with lent(self.lender):  # only waiting: its cores are lent
                         got = self.links.recv_any(peers, wait)
                 except PeerTimeoutError:
                     pass
@@ -163,23 +163,11 @@ class PipelinedRunner:
                 raise RuntimeError("collect: another dispatch to the same worker is in flight")
             q.clear()
             t0 = time.perf_counter_ns()
-            with self._lent():
+            with lent(self.lender):  # only waiting: its cores are lent
                 p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
             self.lm.waited(time.perf_counter_ns() - t0)
             self._busy_reported(p.worker, p.reply)
         return d
-
-    @contextmanager
-    def _lent(self) -> Iterator[None]:
-        """While this worker only waits for replies, its cores are lent (``runtime.core_board``)."""
-        if self.lender is None:
-            yield
-            return
-        self.lender.lend()
-        try:
-            yield
-        finally:
-            self.lender.reclaim()
 
     def _busy_reported(self, worker: int, msg: Any) -> None:
         """An expert worker's reply carries its busy time so far (the LM head shares balance by it)."""
@@ -255,10 +243,10 @@ class PipelinedRunner:
 
     def _lm_piece(self, tokens: int) -> int:
         """Vocabulary rows of the next LM head piece for ``tokens`` token rows: about
-        ``LM_HEAD_PIECE_S`` at the measured rate, whole blocks of 32 (the packed weight's)."""
+        ``LM_HEAD_PIECE_S`` at the measured rate, whole blocks of the packed weight."""
         if self._lm_rate <= 0:
             return LM_HEAD_FIRST_PIECE
-        return max(256, int(self._lm_rate * LM_HEAD_PIECE_S / max(1, tokens)) // 32 * 32)
+        return max(256, int(self._lm_rate * LM_HEAD_PIECE_S / max(1, tokens)) // BLOCK * BLOCK)
 
     def _lm_measured(self, work: int, seconds: float) -> None:
         if seconds > 0:
