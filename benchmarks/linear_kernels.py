@@ -15,7 +15,7 @@ Each round times every path once per layer of a stack of ``--layers`` expert lay
 from memory, not cache, as in a model), the paths' order rotated every round; medians over
 ``--rounds`` rounds, microseconds per layer, and the ratio to ``grouped``. ``ExpertPart`` picks
 ``dense`` for T up to ``DENSE_TOKENS_PER_THREAD`` x threads; this table is where that number comes
-from.
+
 
     python benchmarks/linear_kernels.py [--tokens 4,8,16,32,64,128] [--threads 1,2] [--json out/linear_kernels.json]
 """
@@ -32,8 +32,10 @@ import torch
 
 from afdserve.model import experts as experts_mod
 from afdserve.model import linear
+from afdserve.model.config import ModelConfig
 from afdserve.model.demo import demo_model_path
-from afdserve.model.model import ExpertModel
+from afdserve.model.loader import CheckpointReader
+from afdserve.model.model import ExpertModel, read_lm_head
 
 PATHS = ("grouped", "packed", "dense", "fused")
 
@@ -84,6 +86,8 @@ def main() -> None:
                          **{f"{p}_min_max_us": [round(min(times[p]), 1), round(max(times[p]), 1)] for p in PATHS}})
     _set_path("fused")
     experts_mod.DENSE_TOKENS_PER_THREAD = dense_default
+    heads = lm_head_rows(args.model or str(demo_model_path()), [int(x) for x in args.tokens.split(",")],
+                         [int(t) for t in args.threads.split(",")], args.rounds, g)
     print(f"expert layer, bf16, {len(layers)} layers cycled, median us per layer over {args.rounds} rounds "
           f"(ratio to grouped); without the fused kernel ExpertPart runs dense for T <= {dense_default} x threads")
     print(f"{'threads':>7} {'T':>5} {'grouped':>9} " + " ".join(f"{p:>16}" for p in PATHS[1:]))
@@ -91,11 +95,39 @@ def main() -> None:
         g_us = row["grouped_us"]
         print(f"{row['threads']:>7} {row['tokens']:>5} {g_us:>9.0f} " + " ".join(
             f"{row[p + '_us']:>9.0f} ({g_us / row[p + '_us']:.2f}x)" for p in PATHS[1:]))
+    print(f"LM head, bf16 weight [{heads[0]['vocab']}, {heads[0]['hidden']}], float32 logits, median us per call")
+    print(f"{'threads':>7} {'T':>5} {'us':>9} {'GFLOP/s':>8}")
+    for row in heads:
+        print(f"{row['threads']:>7} {row['tokens']:>5} {row['us']:>9.0f} {row['gflop_s']:>8.1f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "linear_kernels", "dtype": "bfloat16", "rounds": args.rounds,
-                       "layers": len(layers), "dense_tokens_per_thread": dense_default, "rows": rows}, f, indent=1)
+                       "layers": len(layers), "dense_tokens_per_thread": dense_default, "rows": rows, "lm_head": heads}, f, indent=1)
+
+
+def lm_head_rows(path: str, tokens: list[int], threads: list[int], rounds: int,
+                 g: torch.Generator) -> list[dict]:
+    """The LM head through ``model.linear.linear`` (the kernel on its packed weight where it runs)."""
+    cfg = ModelConfig.from_pretrained(path)
+    w = read_lm_head(CheckpointReader(path), cfg, torch.bfloat16)
+    vocab, hidden = w.shape
+    rows = []
+    with torch.inference_mode():
+        for n in threads:
+            torch.set_num_threads(n)
+            for t in tokens:
+                x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+                linear.linear(x, w, out_dtype=torch.float32)  # packs the weight once, warms up
+                times = []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    linear.linear(x, w, out_dtype=torch.float32)
+                    times.append(time.perf_counter() - t0)
+                med = statistics.median(times)
+                rows.append({"threads": n, "tokens": t, "vocab": vocab, "hidden": hidden, "us": round(med * 1e6, 1),
+                             "gflop_s": round(2 * t * vocab * hidden / med / 1e9, 1)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
                  at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
   const int64_t groups = (M + MR - 1) / MR;
-  std::vector<uint32_t> a(groups * units * MR, 0);
+  std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r = 0; r < MR && g * MR + r < M; ++r) pack_row(xp + (g * MR + r) * units, units, r, a.data() + g * units * MR);
+      for (int64_t r = 0; r < MR && g * MR + r < M; ++r) pack_row<T>(xp + (g * MR + r) * units, units, r, a.data() + g * units * MR * kAW<T>);
     }
   });
   const T* wp = w.data_ptr<T>();

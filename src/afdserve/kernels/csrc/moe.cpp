@@ -45,7 +45,14 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     alignas(32) uint32_t pairs[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16(v));
-    for (int q = 0; q < 8; ++q) group[(col / 2 + q) * MR + r] = pairs[q];
+    if constexpr (kAW<T> == 2) {  // rounded to bfloat16, stored widened
+      for (int q = 0; q < 8; ++q) {
+        group[((col / 2 + q) * MR + r) * 2] = pairs[q] << 16;
+        group[((col / 2 + q) * MR + r) * 2 + 1] = pairs[q] & 0xffff0000u;
+      }
+    } else {
+      for (int q = 0; q < 8; ++q) group[(col / 2 + q) * MR + r] = pairs[q];
+    }
   } else {
     alignas(64) float f[16];
     vstore(f, v);
@@ -95,7 +102,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   at::Tensor out = at::empty({T_, H}, x.options());
   if (P == 0) return out.zero_();
   // packed inputs of the two projections, and the down projections' outputs per pair
-  std::vector<uint32_t> a1(groups * u1 * MR, 0), a2(groups * u2 * MR, 0);
+  std::vector<uint32_t> a1(groups * u1 * MR * kAW<T>, 0), a2(groups * u2 * MR * kAW<T>, 0);
   at::Tensor ybuf = at::empty({P, H}, x.options().dtype(at::kFloat));
   float* yp = ybuf.data_ptr<float>();
   const T* w13p = w13.data_ptr<T>();
@@ -108,8 +115,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
     for (int64_t e = e0; e < e1; ++e) {
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
         const int64_t g = group0[e] + (p - start[e]) / MR;
-        pack_row(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1, static_cast<int>((p - start[e]) % MR),
-                 a1.data() + g * u1 * MR);
+        pack_row<T>(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1, static_cast<int>((p - start[e]) % MR),
+                    a1.data() + g * u1 * MR * kAW<T>);
       }
     }
   });
@@ -126,7 +133,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
       if (rows == 0) continue;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
-        block_gemm<T>(a1.data() + group0[e] * u1 * MR, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data());
+        block_gemm<T>(a1.data() + group0[e] * u1 * MR * kAW<T>, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data());
         V16 bg = vzero(), bu = vzero();
         if (b13p != nullptr) {
           bg = load16(b13p + e * 2 * inter + col, static_cast<int>(ncols));
@@ -135,7 +142,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
         for (int64_t r = 0; r < rows; ++r) {
           const float* gu = acc.data() + r * NB;
           V16 v = activation(vadd(vload(gu), bg), vadd(vload(gu + 16), bu), act, a, l);
-          store_packed<T>(a2.data() + (group0[e] + r / MR) * u2 * MR, col, static_cast<int>(r % MR), v);
+          store_packed<T>(a2.data() + (group0[e] + r / MR) * u2 * MR * kAW<T>, col, static_cast<int>(r % MR), v);
         }
       }
     }
@@ -155,7 +162,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
           bias0 = load16(b2p + e * H + col, n0);
           if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
         }
-        block_gemm<T>(a2.data() + group0[e] * u2 * MR, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data());
+        block_gemm<T>(a2.data() + group0[e] * u2 * MR * kAW<T>, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data());
         for (int64_t r = 0; r < rows; ++r) {
           float* y = yp + (start[e] + r) * H + col;
           const float* o = acc.data() + r * NB;
