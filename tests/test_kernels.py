@@ -244,6 +244,22 @@ def test_linear_matches_the_reference(dtype, rows, n, k, bias):
         assert (got.double() - want).abs().max() <= (1e-5 if exact else 1e-2) * max(1.0, want.abs().max())
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_takes_any_number_of_rows(dtype):
+    """Every row count of a group and past it (the tiles take rows in fours, threes, twos and ones)
+    gives each row the result it gets alone."""
+    needs("linear", dtype)
+    from afdserve.kernels.linear import linear, pack
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(19, 96, generator=g).to(dtype)
+    w = pack((torch.randn(70, 96, generator=g) * 0.1).to(dtype))
+    alone = torch.cat([linear(x[i:i + 1], w, 70, None, torch.float32) for i in range(19)])
+    for rows in range(1, 20):
+        assert torch.equal(linear(x[:rows], w, 70, None, torch.float32), alone[:rows]), rows
+
+
 def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
     """The extension builder's lock file, left by a killed build, is removed by the next build (which
     holds afdserve's own lock), not waited on forever."""
