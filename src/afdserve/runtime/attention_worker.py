@@ -22,7 +22,7 @@ from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Attention
                                        Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
-from afdserve.runtime.core_board import CoreBoard, Lender, borrowable_threads, slot
+from afdserve.runtime.core_board import join
 from afdserve.runtime.lanes import Lanes
 from afdserve.runtime.trace import Tracer, idle_span
 
@@ -43,10 +43,12 @@ class AttentionWorker:
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "attention" else None
+        # with a core board it lends its cores while it waits for expert replies, and its LM head
+        # borrows those of expert workers waiting for it
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
                                       lm_head_share=cfg.lm_head_share, lm_reply_bytes=slot_bytes(spec) - 64,
-                                      lender=self._lend_and_borrow(spec))
+                                      lender=join(spec.core_board, "attention", spec.index, cfg.num_threads or 1))
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
@@ -56,17 +58,6 @@ class AttentionWorker:
         self.held: list[ToWorker] = []  # control messages waiting for no step in flight
         self.lanes = Lanes(self.engine, self.runner, self.tracer, self._emit)
         self._ctl: ControlChannel | None = None
-
-    @staticmethod
-    def _lend_and_borrow(spec: WorkerSpec) -> Lender | None:
-        """With a core board: this worker lends its threads while it waits for expert replies, and its
-        LM head borrows those of expert workers waiting for it (``runtime.core_board``)."""
-        if spec.core_board is None:
-            return None
-        board = CoreBoard.attach(spec.core_board)
-        own = spec.config.num_threads or 1
-        board.borrow(borrowable_threads(own))
-        return board.lender(slot("attention", spec.index), own)
 
     def serve(self, ctl: ControlChannel) -> None:
         eng, lanes = self.engine, self.lanes

@@ -112,6 +112,17 @@ def lent(lender: "Lender | None") -> Iterator[None]:
         lender.reclaim()
 
 
+def join(fd: int | None, role: str, index: int, threads: int) -> Lender | None:
+    """A worker's place on the board it inherited as ``fd`` (None: no board, nothing lent or
+    borrowed): its big kernels borrow the threads others lend, and the returned ``Lender`` lends
+    its own ``threads`` on its slot while it waits (the board stays mapped as long as it)."""
+    if fd is None:
+        return None
+    board = CoreBoard.attach(fd)
+    board.borrow(borrowable_threads(threads))
+    return board.lender(slot(role, index), threads)
+
+
 def borrowable_threads(own: int) -> int:
     """Threads a worker may borrow: the cores it may run on beyond its own threads."""
     return max(0, cpu_cores() - own)

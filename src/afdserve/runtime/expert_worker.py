@@ -15,7 +15,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.core_board import CoreBoard, Lender, borrowable_threads, lent, slot
+from afdserve.runtime.core_board import join, lent
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
@@ -48,11 +48,7 @@ class ExpertWorker:
                                      lm_head)
         # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and
         # this worker lends its own while it waits for their next layer (their LM heads borrow them)
-        self.lender: Lender | None = None
-        if spec.core_board is not None:
-            self.board = CoreBoard.attach(spec.core_board)
-            self.board.borrow(borrowable_threads(cfg.num_threads or 1))
-            self.lender = self.board.lender(slot("expert", spec.index), cfg.num_threads or 1)
+        self.lender = join(spec.core_board, "expert", spec.index, cfg.num_threads or 1)
         self.lm_layer = model_cfg.num_layers  # the layer index of LM head shares
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]

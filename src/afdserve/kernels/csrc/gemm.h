@@ -16,6 +16,8 @@
 
 #include "vec.h"
 
+#include <utility>
+
 namespace afd {
 
 constexpr int NB = 32;     // outputs per column block
@@ -171,6 +173,12 @@ inline void tile_bf16_full(const float* a, const at::BFloat16* w, int64_t units,
   for (int r = 0; r < 4 * R; ++r) _mm256_storeu_ps(out + 8 * r, c[r]);
 }
 
+// the units [first, second) of the next chunk that pass p of `passes` prefetches (none without pf)
+inline std::pair<int64_t, int64_t> prefetch_share(bool pf, int64_t units, int p, int passes) {
+  if (!pf) return {0, 0};
+  return {units * p / passes, units * (p + 1) / passes};
+}
+
 // the rows of a group in passes (float32: pairs of rows; bfloat16: fours and a last three of rows
 // times the two halves of the block, a last one or two over the whole block); with `pf`, each pass
 // prefetches its even share of the next chunk
@@ -181,15 +189,9 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
     const int last = n % 4 == 1 || n % 4 == 2 ? n % 4 : 0;  // rows of the last, whole-block pass
     const int passes = (n - last + 3) / 4 * 2 + (last > 0);
     int p = 0;
-    auto share = [&](int64_t* p0, int64_t* p1) {
-      *p0 = pf ? units * p / passes : 0;
-      *p1 = pf ? units * (p + 1) / passes : 0;
-      ++p;
-    };
-    int64_t pf0, pf1;
     for (int r = 0; r < n - last; r += 4) {
       for (int h = 0; h < 2; ++h) {
-        share(&pf0, &pf1);
+        const auto [pf0, pf1] = prefetch_share(pf, units, p++, passes);
         if (n - last - r >= 4) {
           tile_bf16<4>(af + 2 * r, w, h, units, out + r * NB, acc, pf0, pf1);
         } else {
@@ -198,7 +200,7 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
       }
     }
     if (last > 0) {
-      share(&pf0, &pf1);
+      const auto [pf0, pf1] = prefetch_share(pf, units, p, passes);
       const int r = n - last;
       if (last == 2) {
         tile_bf16_full<2>(af + 2 * r, w, units, out + r * NB, acc, pf0, pf1);
@@ -209,7 +211,7 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
   } else {
     const int passes = (n + 1) / 2;
     for (int r = 0, p = 0; r < n; r += 2, ++p) {
-      const int64_t pf0 = pf ? units * p / passes : 0, pf1 = pf ? units * (p + 1) / passes : 0;
+      const auto [pf0, pf1] = prefetch_share(pf, units, p, passes);
       if (n - r >= 2) {
         tile_f32<2>(a + r, w, units, out + r * NB, acc, pf0, pf1);
       } else {
@@ -256,18 +258,22 @@ inline void block_gemm(const uint32_t* a, int64_t rows, int64_t units, const T* 
   }
 }
 
-// Packs row r (units `row`) into its group's place: group base `g` ([units][MR], or [units][MR][2]
-// widened where kAW<T> is 2)
+// Unit i of row r into its group's place: group base `g` ([units][MR], or [units][MR][2] widened
+// where kAW<T> is 2)
+template <typename T>
+inline void put_unit(uint32_t* g, int64_t i, int r, uint32_t unit) {
+  if constexpr (kAW<T> == 2) {
+    g[(i * MR + r) * 2] = unit << 16;             // the even k
+    g[(i * MR + r) * 2 + 1] = unit & 0xffff0000u;  // the odd k
+  } else {
+    g[i * MR + r] = unit;
+  }
+}
+
+// Packs row r (units `row`) into its group's place
 template <typename T>
 inline void pack_row(const uint32_t* row, int64_t units, int r, uint32_t* g) {
-  if constexpr (kAW<T> == 2) {
-    for (int64_t i = 0; i < units; ++i) {
-      g[(i * MR + r) * 2] = row[i] << 16;             // the even k
-      g[(i * MR + r) * 2 + 1] = row[i] & 0xffff0000u;  // the odd k
-    }
-  } else {
-    for (int64_t i = 0; i < units; ++i) g[i * MR + r] = row[i];
-  }
+  for (int64_t i = 0; i < units; ++i) put_unit<T>(g, i, r, row[i]);
 }
 
 #endif  // AFD_VEC

@@ -45,14 +45,7 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     alignas(32) uint32_t pairs[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16(v));
-    if constexpr (kAW<T> == 2) {  // rounded to bfloat16, stored widened
-      for (int q = 0; q < 8; ++q) {
-        group[((col / 2 + q) * MR + r) * 2] = pairs[q] << 16;
-        group[((col / 2 + q) * MR + r) * 2 + 1] = pairs[q] & 0xffff0000u;
-      }
-    } else {
-      for (int q = 0; q < 8; ++q) group[(col / 2 + q) * MR + r] = pairs[q];
-    }
+    for (int q = 0; q < 8; ++q) put_unit<T>(group, col / 2 + q, r, pairs[q]);  // rounded to bfloat16
   } else {
     alignas(64) float f[16];
     vstore(f, v);
