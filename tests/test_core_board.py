@@ -1,5 +1,5 @@
 """Cores lent between the workers of one machine (runtime.core_board, kernels/csrc/lend.h): what a
-fused MoE or LM-head slice may borrow, the claim protocol, results unchanged by borrowed threads,
+fused MoE or LM-head call may borrow, the claim protocol, results unchanged by borrowed threads,
 the slots of both roles, and a local deployment that lends (and cleans its board up)."""
 
 import os
@@ -27,7 +27,7 @@ def board():
 
 
 @needs_kernels
-def test_a_slice_borrows_only_what_idle_owners_lend_and_nobody_holds(board):
+def test_a_call_borrows_only_what_idle_owners_lend_and_nobody_holds(board):
     a, b = board.lender(0, 1), board.lender(5, 2)
     assert board.lender(SLOTS, 1) is None  # past the board: that worker lends nothing
     assert board.borrow(3)
@@ -36,7 +36,7 @@ def test_a_slice_borrows_only_what_idle_owners_lend_and_nobody_holds(board):
     assert kernels.lent_threads_now() == 1
     b.lend()
     assert kernels.lent_threads_now() == 3
-    assert all(holder == 0 for _, holder in board.read())  # a slice gives what it claimed back
+    assert all(holder == 0 for _, holder in board.read())  # a call gives what it claimed back
     board.borrow(2)  # at most 2: slot 0 (1 thread) fits, slot 5 (2 more) would not
     assert kernels.lent_threads_now() == 1
     board.borrow(3)
@@ -111,6 +111,58 @@ def test_borrowed_threads_leave_the_lm_head_unchanged(board, dtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, lent)
+
+
+@needs_kernels
+def test_a_lent_thread_takes_chunks_of_a_big_call_and_gives_its_slot_back(board):
+    """A call long enough for a lent thread to wake (~0.1 s of MoE on one thread) has chunks run by
+    this process's helper on it; the output is the same bits, and the claim is gone afterwards."""
+    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+
+    g = torch.Generator().manual_seed(4)
+    tokens, hidden, inter, experts, k = 2048, 256, 512, 8, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = pack_gate_up(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1)
+    w2 = pack_down(torch.randn(experts, hidden, inter, generator=g) * 0.1)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+    local = torch.arange(experts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = fused_moe(x, w13, w2, ids, w, local, inter)
+        lender = board.lender(slot("expert", 3), 1)
+        board.borrow(1)
+        lender.lend()
+        before = kernels.lent_chunks()
+        lent = fused_moe(x, w13, w2, ids, w, local, inter)
+        helped = kernels.lent_chunks() - before
+        assert board.read()[slot("expert", 3)] == (1, 0)  # claim given back, the owner still lends
+        lender.reclaim()
+        before = kernels.lent_chunks()
+        again = fused_moe(x, w13, w2, ids, w, local, inter)  # the owner woke: nobody helps
+        assert kernels.lent_chunks() == before
+    finally:
+        torch.set_num_threads(threads)
+    assert helped > 0
+    assert torch.equal(alone, lent) and torch.equal(alone, again)
+
+
+@needs_kernels
+def test_a_sender_takes_the_receivers_lending_back_before_it_sends(board):
+    """The message wakes the receiver: its cores must not be claimed again before it could run."""
+    expert = board.lender(slot("expert", 0), 1)
+    attention = board.lender(slot("attention", 0), 1)
+    board.borrow(1)
+    attention.lend()
+    assert kernels.lent_threads_now() == 1
+    expert.wake(slot("attention", 0))  # the expert worker is about to reply to attention worker 0
+    assert board.read()[slot("attention", 0)][0] == 0
+    assert kernels.lent_threads_now() == 0
+    attention.reclaim()  # it woke: a clean slot, and it lends again at its next wait
+    attention.lend()
+    assert kernels.lent_threads_now() == 1
+    attention.reclaim()
 
 
 def test_each_role_has_its_half_of_the_board():

@@ -56,8 +56,8 @@ _supported: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def borrow_lent_threads(board: torch.Tensor | None, most: int) -> bool:
-    """Lets this process's fused MoE calls borrow, slice by slice, up to ``most`` threads that
-    idle processes lend on ``board`` (int32 [2, slots] over shared memory:
+    """Lets this process's big kernels (fused MoE, large linears) borrow, chunk by chunk, up to
+    ``most`` threads that idle processes lend on ``board`` (int32 [2, slots] over shared memory:
     ``afdserve.runtime.core_board``); None stops it. False when the kernels are unavailable."""
     if not load().ok:
         return False
@@ -66,5 +66,10 @@ def borrow_lent_threads(board: torch.Tensor | None, most: int) -> bool:
 
 
 def lent_threads_now() -> int:
-    """The threads a fused MoE slice of this process would borrow now (0 without a board)."""
+    """The threads a big kernel of this process would borrow now (0 without a board)."""
     return int(ops().lent_threads_now()) if load().ok else 0
+
+
+def lent_chunks() -> int:
+    """Chunks of work this process's borrowed threads have run so far (diagnostics and tests)."""
+    return int(ops().lent_chunks()) if load().ok else 0

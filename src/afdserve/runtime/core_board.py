@@ -5,9 +5,11 @@ runs ``num_threads`` threads. An attention worker that has nothing to do but wai
 replies leaves its cores idle, most of all during a prefill, whose MoE layers are most of its work.
 So the front end creates a board in shared memory (an anonymous memfd that each local worker
 inherits: nothing is left behind whatever happens to the processes); while a worker waits, it lends
-its threads on its slot, and reclaims them when it wakes. The big kernels run in slices and, before
-each, claim the lent threads no other worker holds (``kernels/csrc/lend.h``): at most one slice
-later, a worker that woke has its cores back. It goes both ways: an expert worker's fused MoE
+its threads on its slot, and reclaims them when it wakes. The big kernels run in chunks of ~20-50 us;
+between chunks they claim the lent threads no other worker holds and run helper threads on them
+(``kernels/csrc/lend.h``): at most a chunk later, a worker that woke has its cores back. A worker
+about to send to a lender first takes the lending back on its behalf (``Lender.wake``): the message
+wakes it, and its cores must be free to run on, not claimed again before it could reclaim them. It goes both ways: an expert worker's fused MoE
 borrows the cores of attention workers waiting for its replies (a prefill's MoE layers are most of
 its work), and an attention worker's LM head borrows those of expert workers waiting for the next
 layer (at a step boundary, when every lane is at its LM head). A waiting worker wakes on the
@@ -96,7 +98,13 @@ class Lender:
 
     def reclaim(self) -> None:
         self._ints[self.slot] = 0
-        self._ints[SLOTS + self.slot] = 0  # a claim made before the wake lapses at its slice's end
+        self._ints[SLOTS + self.slot] = 0  # a claim made before the wake lapses at its chunk's end
+
+    def wake(self, peer: int) -> None:
+        """Before this worker sends to the owner of slot ``peer``: that owner stops lending now, so
+        threads borrowed on its cores leave at their next chunk and nothing claims them again
+        before it has woken and run (it reclaims, and lends again, itself)."""
+        self._ints[peer] = 0
 
 
 @contextmanager

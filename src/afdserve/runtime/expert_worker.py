@@ -15,7 +15,7 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_device, parse_dtype
 from afdserve.model.model import ExpertModel, load_routers, read_lm_head, regroup_experts
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.core_board import join, lent
+from afdserve.runtime.core_board import join, lent, slot
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
@@ -156,6 +156,8 @@ class ExpertWorker:
         self.busy_ns += time.perf_counter_ns() - t0
         with self.tracer.span("send", layer=layer):
             for (i, msg), out in zip(group, outs):
+                if self.lender is not None:
+                    self.lender.wake(slot("attention", i))
                 meta = msg.meta
                 msg.release()
                 self.links.send(i, [out], (meta.step, meta.microbatch, layer, 0), (self.busy_ns // 1000,))

@@ -23,7 +23,7 @@ from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
-from afdserve.runtime.core_board import Lender, lent
+from afdserve.runtime.core_board import Lender, lent, slot
 from afdserve.runtime.links import Links
 from afdserve.runtime.trace import Tracer
 
@@ -306,6 +306,8 @@ class PipelinedRunner:
     def _send(self, d: Dispatch, worker: int, rows: torch.Tensor | None, tensors: list[torch.Tensor],
               meta: tuple[int, int, int, int], ints: tuple[int, ...] = (), count: bool = True,
               sink: Callable[[torch.Tensor], None] | None = None) -> None:
+        if self.lender is not None:
+            self.lender.wake(slot("expert", worker))
         self.links.send(worker, tensors, meta, ints)
         if count:
             self.tokens_per_worker[worker] += d.y.shape[0] if rows is None else rows.numel()

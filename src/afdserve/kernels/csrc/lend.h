@@ -1,44 +1,38 @@
 // Threads lent by idle worker processes of this machine (afdserve.runtime.core_board).
 //
 // A board in shared memory holds, per lender slot, the threads its owner lends while it waits (0
-// while it computes) and which process holds them. A kernel that runs in slices claims, before
-// each slice, the lent threads no other process holds, runs the slice on its own threads plus
-// those, and gives them back: an owner that wakes takes its cores back at the next slice boundary.
+// while it computes) and which process holds them. A big kernel splits its work into chunks of
+// about kChunkMacs multiply-adds that its own threads take in turn; between chunks one of them
+// claims the lent threads no other process holds and wakes as many helper threads of this process,
+// which take chunks too. A helper stops at the first chunk boundary after its slot's owner woke
+// (the owner resets the slot), so a waiting worker's core is used within about one chunk of its
+// lending, and given back within about one chunk of its waking.
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 
 namespace afd {
 
-// Claims the lent threads it can (at most the board's limit) and returns how many.
-int borrow_threads();
-// Gives every slot claimed by borrow_threads back.
-void return_threads();
-// A board is registered in this process.
+// Multiply-adds per chunk of lent work (tens of microseconds on one core).
+constexpr int64_t kChunkMacs = int64_t{1} << 21;
+
+// A board is registered in this process and it may borrow.
 bool lending();
 
-// f over [0, n) in up to `slices` consecutive ranges, each run by at::parallel_for on this
-// process's own threads plus the threads borrowed for it (one range on the own threads when no
-// board is registered or the caller says the work is too small to be worth more threads).
-template <typename F>
-void parallel_lent(int64_t n, int64_t slices, bool worth, const F& f) {
-  if (!worth || !lending() || n <= 1) {
-    at::parallel_for(0, n, 1, f);
-    return;
-  }
-  const int own = omp_get_max_threads();
-  const int64_t step = (n + std::min(n, slices) - 1) / std::min(n, slices);
-  for (int64_t a = 0; a < n; a += step) {
-    const int lent = borrow_threads();
-    omp_set_num_threads(own + lent);
-    at::parallel_for(a, std::min(n, a + step), 1, f);
-    if (lent > 0) return_threads();
-  }
-  omp_set_num_threads(own);
-}
+// Linears of fewer multiply-adds than this do not borrow (the LM head does).
+constexpr int64_t kLendMinMacs = int64_t{1} << 24;
+
+// Items per chunk for items of `macs` multiply-adds each.
+inline int64_t chunk_items(int64_t macs) { return std::max<int64_t>(1, kChunkMacs / std::max<int64_t>(1, macs)); }
+
+// f over [0, n): in chunks of `grain` items taken by this process's own threads and by helpers for
+// the threads idle neighbours lend (lend.cpp), or, when no board is registered, the work is not
+// `worth` more threads or another lent call is running, by at::parallel_for on the own threads.
+// Each item is computed by one thread, whichever it is: results do not depend on who helped.
+void parallel_lent(int64_t n, int64_t grain, bool worth, const std::function<void(int64_t, int64_t)>& f);
 
 }  // namespace afd

@@ -2,7 +2,7 @@
 // One call packs the rows of x once and splits the column blocks between the threads: each thread
 // streams a disjoint part of the weight once. The output may be float32 whatever x's dtype (the
 // LM head's logits, without a rounding to bfloat16 and a copy). A big one (the LM head) runs in
-// slices that borrow the threads idle workers lend (lend.h).
+// chunks that the threads idle workers lend take too (lend.h).
 #include "gemm.h"
 #include "lend.h"
 
@@ -23,9 +23,6 @@ namespace {
 
 #if defined(AFD_VEC)
 
-// linears of fewer multiply-adds than this do not borrow lent threads (the LM head does)
-constexpr int64_t kLendMinMacs = int64_t{1} << 24;
-
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                  at::Tensor& out) {
@@ -41,7 +38,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const T* wp = w.data_ptr<T>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
-  parallel_lent(nblocks, 4, M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
+  parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(groups * MR * NB);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t col = c * NB;

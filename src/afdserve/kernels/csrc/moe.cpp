@@ -12,7 +12,7 @@
 // into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32, phase 3 sums each
 // token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
 // by column block, so every thread streams a disjoint part of every expert's weights once; they run
-// in a few slices of blocks, each on this process's threads plus any an idle neighbour lends (lend.h).
+// in chunks of blocks taken by this process's threads and by any an idle neighbour lends (lend.h).
 #include "gemm.h"
 #include "lend.h"
 
@@ -53,10 +53,12 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   }
 }
 
+
 // fewer routed pairs than this do not borrow lent threads. With vdpbf16ps a decode-sized layer is a
-// few hundred microseconds, and borrowing for it was slower in benchmarks/disagg_phases.py; where
-// bfloat16 is widened to float32 (AVX2) the same layer takes milliseconds and a borrowed thread
-// pays from a decode lane of 32 tokens on (benchmarks/step_trace.py)
+// few hundred microseconds, and borrowing for decode rounds made decode steps slower in
+// benchmarks/disagg_phases.py (with slices and with chunks alike); where bfloat16 is widened to
+// float32 (AVX2) the same layer takes milliseconds and a borrowed thread paid from a decode lane of
+// 32 tokens on (benchmarks/step_trace.py)
 constexpr int64_t kLendMinPairs = kHaveAvx512 && kHaveAvx512Bf16 ? 512 : 32;
 
 template <typename T, typename Id>
@@ -116,10 +118,11 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   int64_t most = 0;  // rows of the busiest expert
   for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
   const int64_t most_pad = (most + MR - 1) / MR * MR;
-  // phase 1: gate/up and the activation, by blocks of 16 intermediate columns
-  // phases 1 and 2 run in slices: an idle neighbour's lent threads join at a slice boundary (lend.h)
+  // phase 1: gate/up and the activation, by blocks of 16 intermediate columns; phases 1 and 2 run
+  // in chunks that an idle neighbour's lent threads take too (lend.h)
+  const int64_t macs1 = P * H * NB, macs2 = P * ipad * NB;  // per block of each phase
   const bool worth = P >= kLendMinPairs;
-  parallel_lent(nb1, 4, worth, [&](int64_t b0, int64_t b1) {
+  parallel_lent(nb1, chunk_items(macs1), worth, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];
@@ -141,7 +144,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
     }
   });
   // phase 2: the down projection, by blocks of 32 hidden columns
-  parallel_lent(nb2, 2, worth, [&](int64_t c0, int64_t c1) {
+  parallel_lent(nb2, chunk_items(macs2), worth, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(most_pad * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];
