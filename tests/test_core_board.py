@@ -148,6 +148,48 @@ def test_a_lent_thread_takes_chunks_of_a_big_call_and_gives_its_slot_back(board)
     assert torch.equal(alone, lent) and torch.equal(alone, again)
 
 
+def _forked_borrower(board: CoreBoard, done) -> None:
+    """In a forked child: the parent's helper threads are not here; a lent call starts its own (a
+    call long enough, ~10 ms, for one to wake and take chunks)."""
+    from afdserve.kernels.linear import linear, pack
+
+    torch.set_num_threads(1)
+    board.borrow(1)
+    before = kernels.lent_chunks()
+    x, w = torch.randn(64, 256), pack(torch.randn(32768, 256))
+    linear(x, w, 32768)
+    done.put(kernels.lent_chunks() - before)
+
+
+@needs_kernels
+def test_a_forked_child_does_not_wait_on_its_parents_helpers(board):
+    import multiprocessing as mp
+
+    from afdserve.kernels.linear import linear, pack
+
+    lender = board.lender(slot("expert", 1), 1)
+    lender.lend()
+    board.borrow(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, w = torch.randn(64, 256), pack(torch.randn(4096, 256))
+        linear(x, w, 4096)  # this process now has a helper thread
+        ctx = mp.get_context("fork")
+        done = ctx.Queue()
+        child = ctx.Process(target=_forked_borrower, args=(board, done))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+    finally:
+        torch.set_num_threads(threads)
+        lender.reclaim()
+    assert not alive, "the forked child hung in a lent call"
+    assert child.exitcode == 0 and done.get(timeout=5) > 0
+
+
 @needs_kernels
 def test_a_sender_takes_the_receivers_lending_back_before_it_sends(board):
     """The message wakes the receiver: its cores must not be claimed again before it could run."""

@@ -1,6 +1,7 @@
 // The board of lent threads and the helpers that use them (lend.h).
 #include "lend.h"
 
+#include <pthread.h>
 #include <torch/library.h>
 #include <unistd.h>
 
@@ -72,6 +73,7 @@ struct Helper {
   std::mutex mu;
   std::condition_variable cv;
   Job* job = nullptr;         // set by the recruiting thread, cleared by the helper when it leaves
+  bool started = false;       // it took the job (until then the caller may take it back: retract)
   int64_t slot = -1;
   std::atomic<bool> busy{false};
 
@@ -80,6 +82,7 @@ struct Helper {
     for (;;) {
       cv.wait(lk, [&] { return job != nullptr; });
       Job* j = job;
+      started = true;
       lk.unlock();
       while (still_lent(slot)) {
         if (!j->run_chunk()) break;
@@ -87,17 +90,33 @@ struct Helper {
       }
       lk.lock();
       job = nullptr;
+      started = false;
       busy.store(false, std::memory_order_release);
       j->helpers.fetch_sub(1, std::memory_order_acq_rel);  // last touch of the job: its caller may return
     }
   }
 };
 
-// Helpers live as long as the process (detached: a process may exit while they sleep).
+// Helpers live as long as the process (detached: a process may exit while they sleep); a forked
+// child has none of their threads, so it starts with an empty pool.
 std::vector<Helper*> pool;
 std::vector<int64_t> held;  // slots claimed by the running call
 bool running = false;        // a lent call is running (a nested or concurrent one runs unlent)
 std::mutex running_mu;
+[[maybe_unused]] const int forget_helpers_on_fork = pthread_atfork(nullptr, nullptr, [] { pool.clear(); });
+
+// Takes the job back from the helpers that have not woken to start it: the lent core may be its
+// owner's again, and the caller must not wait for a thread that gets no core to run on.
+void retract(Job& job) {
+  for (Helper* h : pool) {
+    std::lock_guard<std::mutex> g(h->mu);
+    if (h->job == &job && !h->started) {
+      h->job = nullptr;
+      h->busy.store(false, std::memory_order_release);
+      job.helpers.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+}
 
 Helper* idle_helper() {
   for (Helper* h : pool) {
@@ -193,7 +212,14 @@ void parallel_lent(int64_t n, int64_t grain, bool worth, const std::function<voi
       } while (job.run_chunk());
     }
   });
-  while (job.helpers.load(std::memory_order_acquire) > 0) _mm_pause();  // each finishes its last chunk
+  retract(job);
+  for (int spins = 0; job.helpers.load(std::memory_order_acquire) > 0; ++spins) {  // each finishes its chunk
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();  // a helper preempted mid-chunk needs a core
+    }
+  }
   for (int64_t i : held) unclaim(i);
   held.clear();
   g.lock();
