@@ -260,6 +260,30 @@ def test_linear_takes_any_number_of_rows(dtype):
         assert torch.equal(linear(x[:rows], w, 70, None, torch.float32), alone[:rows]), rows
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_out_writes_a_column_range_in_place(dtype):
+    """The LM head in pieces: each piece written straight into its columns of the whole logits (a
+    row stride wider than the piece) gives the bits of one whole call, and nothing outside them."""
+    needs("linear", dtype)
+    from afdserve.kernels.linear import linear, linear_out, pack
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(13, 64, generator=g).to(dtype)
+    w = (torch.randn(200, 64, generator=g) * 0.1).to(dtype)
+    whole = linear(x, pack(w), 200, None, torch.float32)
+    out = torch.full((13, 200), float("nan"))
+    for a, b in ((0, 64), (64, 96), (96, 200)):  # whole column blocks, the last one ragged
+        linear_out(x, pack(w[a:b]), b - a, out[:, a:b])
+    assert torch.equal(out, whole)
+    sentinel = torch.full((13, 200), -7.0)
+    linear_out(x, pack(w[64:96]), 32, sentinel[:, 64:96])
+    assert torch.equal(sentinel[:, 64:96], whole[:, 64:96])
+    assert (sentinel[:, :64] == -7).all() and (sentinel[:, 96:] == -7).all()
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        linear_out(x, pack(w[:32]), 32, torch.empty(32, 13).T)
+
+
 def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
     """The extension builder's lock file, left by a killed build, is removed by the next build (which
     holds afdserve's own lock), not waited on forever."""

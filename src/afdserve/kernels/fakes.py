@@ -24,6 +24,10 @@ def register() -> None:
     def _(x, w, bias, n, out_dtype):
         return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
 
+    @fake("linear_out")
+    def _(x, w, bias, n, out):
+        return None
+
     @fake("paged_attention")
     def _(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale, sinks):
         return torch.empty_like(q)

@@ -22,3 +22,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     """x [M, K] (contiguous; K even for bfloat16) times the packed [N, K] weight (``pack``), plus
     ``bias`` [N] float32: [M, N] in ``out_dtype`` (x's dtype or float32)."""
     return ops().linear(x, packed, bias, n, out_dtype)
+
+
+def linear_out(x: torch.Tensor, packed: torch.Tensor, n: int, out: torch.Tensor,
+               bias: torch.Tensor | None = None) -> None:
+    """``linear`` written into ``out`` ([M, n], x's dtype or float32, unit column stride, any row
+    stride: e.g. a column range of the whole logits), with no intermediate tensor and copy."""
+    ops().linear_out(x, packed, bias, n, out)

@@ -27,6 +27,7 @@ from torch import nn
 
 from afdserve import kernels
 from afdserve.kernels.linear import linear as kernel_linear
+from afdserve.kernels.linear import linear_out as kernel_linear_out
 from afdserve.kernels.linear import pack
 from afdserve.kernels.packing import BLOCK
 
@@ -106,15 +107,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, l
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, start: int, end: int,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w[start:end].T``: the outputs ``[start, end)`` of ``w`` (a piece of the LM head), through
     the packed copy of the whole of ``w`` (made once) where the kernel runs and ``start`` is a
-    multiple of 32; else as ``linear`` of the slice."""
+    multiple of 32; else as ``linear`` of the slice. With ``out`` (2-D ``x``; ``out`` [M, end -
+    start] of ``out_dtype``, unit column stride: a column range of the whole logits) the kernel
+    writes there, with no intermediate tensor and copy."""
     if start % BLOCK == 0 and packs(x, w) and _kernel(x) and not torch.compiler.is_compiling():
         packed = _packed_weight(w, PLAIN, True)[start // BLOCK: -(-end // BLOCK)]
-        y = kernel_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, end - start, None, out_dtype)
-        return y.view(*x.shape[:-1], end - start)
-    return linear(x, w[start:end], out_dtype=out_dtype)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if out is not None and out.stride(-1) == 1:
+            kernel_linear_out(x2, packed, end - start, out)
+            return out
+        y = kernel_linear(x2, packed, end - start, None, out_dtype).view(*x.shape[:-1], end - start)
+    else:
+        y = linear(x, w[start:end], out_dtype=out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 def forget(w: torch.Tensor) -> None:

@@ -134,7 +134,7 @@ class AttentionModel(nn.Module):
     def logits_slice(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
         """Vocabulary ``[start, end)`` of the logits of the normalized ``xn`` into ``out[:, start:end]``
         (float32): the LM head in pieces."""
-        out[:, start:end] = linear_rows(xn, self.lm_head.weight, start, end, torch.float32)
+        linear_rows(xn, self.lm_head.weight, start, end, torch.float32, out=out[:, start:end])
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",

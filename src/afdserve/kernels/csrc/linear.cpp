@@ -23,9 +23,10 @@ namespace {
 
 #if defined(AFD_VEC)
 
+// out: [M, n] with unit column stride and any row stride (a column range of a wider tensor)
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                 at::Tensor& out) {
+                 const at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
   const int64_t groups = (M + MR - 1) / MR;
   std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
@@ -38,6 +39,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const T* wp = w.data_ptr<T>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
+  const int64_t ld = out.stride(0);
   parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(groups * MR * NB);
     for (int64_t c = c0; c < c1; ++c) {
@@ -52,8 +54,8 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
       }
       for (int64_t r = 0; r < M; ++r) {
         const float* o = acc.data() + r * NB;
-        store16(op + r * n + col, vadd(vload(o), b0), n0);
-        if (n1 > 0) store16(op + r * n + col + 16, vadd(vload(o + 16), b1), n1);
+        store16(op + r * ld + col, vadd(vload(o), b0), n0);
+        if (n1 > 0) store16(op + r * ld + col + 16, vadd(vload(o + 16), b1), n1);
       }
     }
   });
@@ -61,8 +63,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 
 #endif  // AFD_VEC
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                  c10::optional<at::ScalarType> out_dtype) {
+void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(linear_supported(dt), "afdserve linear: no kernel for ", dt, " on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dt == at::kFloat || x.size(1) % 2 == 0),
@@ -71,10 +72,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               && w.numel() == w.size(0) * x.size(1) * NB, "linear: w must be x's packed weight (afdserve.kernels.linear.pack)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
               "linear: bias must be float32 [N]");
-  const auto odt = out_dtype.value_or(dt);
+}
+
+// x W^T (+ bias) into out ([M, n] of x's dtype or float32, unit column stride)
+void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                const at::Tensor& out) {
+  check_inputs(x, w, bias, n);
+  const auto dt = x.scalar_type(), odt = out.scalar_type();
   TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(odt));
-  if (x.size(0) == 0) return out;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1
+              && out.stride(0) >= n, "linear: out must be [M, n] with unit column stride");
+  if (x.size(0) == 0) return;
 #if defined(AFD_VEC)
   if (dt == at::kFloat) {
     linear_impl<float, float>(x, w, bias, n, out);
@@ -84,6 +92,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     linear_impl<at::BFloat16, at::BFloat16>(x, w, bias, n, out);
   }
 #endif
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                  c10::optional<at::ScalarType> out_dtype) {
+  check_inputs(x, w, bias, n);
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
+  linear_out(x, w, bias, n, out);
   return out;
 }
 
@@ -92,5 +107,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, ScalarType? out_dtype) -> Tensor");
+  m.def("linear_out(Tensor x, Tensor w, Tensor? bias, int n, Tensor(a!) out) -> ()");
 }
-TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) { m.impl("linear", &afd::linear); }
+TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) {
+  m.impl("linear", &afd::linear);
+  m.impl("linear_out", &afd::linear_out);
+}
