@@ -173,3 +173,19 @@ def test_lm_head_shares_skip_expert_workers_busy_with_another_lane():
     assert [j for j, _, _ in lm.shares(32, 32000, [0, 1, 2], busy={1})] == [0, 2]
     assert lm.shares(32, 32000, [0, 1], busy={0, 1}) == []  # every one busy: all of it computed here
     assert lm.shares(32, 32000, [0], busy=set()) == lm.shares(32, 32000, [0])
+
+
+def test_busy_expert_workers_get_lm_head_shares_only_behind_short_layers():
+    """A share waits behind the busy worker's layer: worth it where a layer's round trip is short
+    against the LM head (a big vocabulary, the demo model), not where it is long (the ping-pong
+    model's small vocabulary behind 4 ms layers), nor before anything was measured."""
+    from afdserve.runtime.pipeline import BUSY_SHARE_MAX_WAIT, unshared_busy
+
+    work, rate = 32 * 32000, 32 * 32000 / 2e-3  # a 2 ms LM head
+    assert unshared_busy({0, 1}, work, rate, layer_rtt=0.6e-3) == set()
+    assert unshared_busy({0, 1}, work, rate, layer_rtt=BUSY_SHARE_MAX_WAIT * 2e-3) == set()
+    assert unshared_busy({0, 1}, work, rate, layer_rtt=4e-3) == {0, 1}
+    assert unshared_busy({1}, work, 0.0, layer_rtt=0.6e-3) == {1}  # no rate measured yet
+    assert unshared_busy({1}, work, rate, layer_rtt=0.0) == {1}  # no layer measured yet
+    assert unshared_busy(set(), work, rate, layer_rtt=4e-3) == set()
+

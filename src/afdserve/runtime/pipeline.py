@@ -32,6 +32,11 @@ GATE_ATTENTION, GATE_EXPERT = 0, 1
 # other lanes run: a lane whose expert replies came waits at most a piece to feed the experts again
 LM_HEAD_PIECE_S = 250e-6
 LM_HEAD_FIRST_PIECE = 1024  # vocabulary rows of a piece before any was measured
+# an expert worker busy with another lane's layer gets a share of a lane's LM head only while a
+# layer's round trip is at most this fraction of that LM head's time here: the share then waits
+# little behind the layer, and the LM head ends sooner; behind a long layer it would hold both
+# sides up (this worker waits for the share, the expert for the other lane's next layer)
+BUSY_SHARE_MAX_WAIT = 1.0
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Dispatch:
     y: torch.Tensor
     parts: list[Part] = field(default_factory=list)
     deadline: float = 0.0
+    sent: float = field(default_factory=time.perf_counter)
 
     @property
     def complete(self) -> bool:
@@ -83,6 +89,7 @@ class PipelinedRunner:
         self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
         self.lender = lender  # this worker's cores, lent to expert workers while it waits for them
         self._lm_rate = 0.0  # LM head (vocabulary rows x token rows) per second here, measured
+        self._layer_rtt = 0.0  # seconds from a layer's dispatch to its last reply, measured
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -152,6 +159,9 @@ class PipelinedRunner:
                 part.reply = True
             if d.complete:
                 done.append(d)
+                if d.layer < self.model.cfg.num_layers:
+                    rtt = time.perf_counter() - d.sent
+                    self._layer_rtt = rtt if self._layer_rtt <= 0 else 0.8 * self._layer_rtt + 0.2 * rtt
             wait = 0.0  # then whatever else has arrived, without waiting
 
     def collect(self, d: Dispatch) -> Dispatch:
@@ -219,7 +229,7 @@ class PipelinedRunner:
         last = m.cfg.num_layers
         xn = m.final_norm(x[rows])
         logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
-        busy = {j for j, q in self._expect.items() if q}  # computing another lane's layer
+        busy = self._busy_for_lm_head(xn.shape[0])
         shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present(), busy)
         local = shares[0][1] if shares else m.cfg.vocab_size
         d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(xn.shape[0]))
@@ -240,6 +250,10 @@ class PipelinedRunner:
             yield d  # its replies are copied into the logits as they come
         self.lm.step_done()
         return logits
+
+    def _busy_for_lm_head(self, rows: int) -> set[int]:
+        busy = {j for j, q in self._expect.items() if q}  # computing another lane's layer
+        return unshared_busy(busy, rows * self.vocab_size, self._lm_rate, self._layer_rtt)
 
     def _lm_piece(self, tokens: int) -> int:
         """Vocabulary rows of the next LM head piece for ``tokens`` token rows: about
@@ -393,6 +407,16 @@ class LMHeadShare:
             self.share = min(self.limit, max(0.0, self.share + self.GAIN * (mine - theirs)))
         self._t0, self._waited = now, 0
         self._busy0 = dict(self._busy)
+
+
+def unshared_busy(busy: set[int], lm_work: int, lm_rate: float, layer_rtt: float) -> set[int]:
+    """Of the expert workers ``busy`` with another lane's layer, those that get no share of an LM
+    head of ``lm_work`` (token rows x vocabulary rows, computed here at ``lm_rate`` per second): all
+    of them, unless a layer's round trip ``layer_rtt`` (seconds) is at most ``BUSY_SHARE_MAX_WAIT``
+    of that LM head's time (none measured yet: all of them)."""
+    if busy and lm_rate > 0 and 0 < layer_rtt <= BUSY_SHARE_MAX_WAIT * lm_work / lm_rate:
+        return set()
+    return busy
 
 
 def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
