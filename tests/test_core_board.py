@@ -51,22 +51,29 @@ def test_a_call_borrows_only_what_idle_owners_lend_and_nobody_holds(board):
     assert kernels.lent_threads_now() == 0  # no board registered: nothing borrowed
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_borrowed_threads_leave_the_moe_output_unchanged(board, dtype):
-    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+def _moe_inputs(seed: int, tokens: int, hidden: int, inter: int, dtype: torch.dtype, experts: int = 8, k: int = 2):
+    """Random fused-MoE inputs: x, packed w13 and w2, top-k ids and weights, the local expert map."""
+    from afdserve.kernels.moe import pack_down, pack_gate_up
 
-    if not kernels.supports("fused_moe", torch.zeros(1, dtype=dtype)):
-        pytest.skip(f"no fused_moe kernel for {dtype} on this CPU")
-
-    g = torch.Generator().manual_seed(1)
-    tokens, hidden, inter, experts, k = 600, 64, 96, 8, 2  # 1,200 routed pairs: enough to borrow
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w13 = pack_gate_up((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype))
     w2 = pack_down((torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype))
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
-    local = torch.arange(experts)
+    return x, w13, w2, ids, w, torch.arange(experts)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_borrowed_threads_leave_the_moe_output_unchanged(board, dtype):
+    from afdserve.kernels.moe import fused_moe
+
+    if not kernels.supports("fused_moe", torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"no fused_moe kernel for {dtype} on this CPU")
+
+    inter = 96
+    x, w13, w2, ids, w, local = _moe_inputs(1, 600, 64, inter, dtype)  # 1,200 routed pairs: enough to borrow
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -117,16 +124,10 @@ def test_borrowed_threads_leave_the_lm_head_unchanged(board, dtype):
 def test_a_lent_thread_takes_chunks_of_a_big_call_and_gives_its_slot_back(board):
     """A call long enough for a lent thread to wake (~0.1 s of MoE on one thread) has chunks run by
     this process's helper on it; the output is the same bits, and the claim is gone afterwards."""
-    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+    from afdserve.kernels.moe import fused_moe
 
-    g = torch.Generator().manual_seed(4)
-    tokens, hidden, inter, experts, k = 2048, 256, 512, 8, 2
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = pack_gate_up(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1)
-    w2 = pack_down(torch.randn(experts, hidden, inter, generator=g) * 0.1)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, k, generator=g), -1)
-    local = torch.arange(experts)
+    inter = 512
+    x, w13, w2, ids, w, local = _moe_inputs(4, 2048, 256, inter, torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
