@@ -5,15 +5,16 @@ runs ``num_threads`` threads. An attention worker that has nothing to do but wai
 replies leaves its cores idle, most of all during a prefill, whose MoE layers are most of its work.
 So the front end creates a board in shared memory (an anonymous memfd that each local worker
 inherits: nothing is left behind whatever happens to the processes); while a worker waits, it lends
-its threads on its slot, and reclaims them when it wakes. The big kernels run in chunks of ~20-50 us;
-between chunks they claim the lent threads no other worker holds and run helper threads on them
-(``kernels/csrc/lend.h``): at most a chunk later, a worker that woke has its cores back. A worker
-about to send to a lender first takes the lending back on its behalf (``Lender.wake``): the message
-wakes it, and its cores must be free to run on, not claimed again before it could reclaim them. It goes both ways: an expert worker's fused MoE
-borrows the cores of attention workers waiting for its replies (a prefill's MoE layers are most of
-its work), and an attention worker's LM head borrows those of expert workers waiting for the next
-layer (at a step boundary, when every lane is at its LM head). A waiting worker wakes on the
-other's message, which comes after the kernel, so the two rarely overlap at all.
+its threads on its slot, and reclaims them when it wakes. The big kernels run in chunks of about
+2^21 multiply-adds; between chunks they claim the lent threads no other worker holds and run helper
+threads on them (``kernels/csrc/lend.h``): at most a chunk later, a worker that woke has its cores
+back. A worker about to send to a lender first takes the lending back on its behalf
+(``Lender.wake``): the message wakes it, and its cores must be free to run on, not claimed again
+before it could reclaim them. It goes both ways: an expert worker's fused MoE borrows the cores of
+attention workers waiting for its replies (a prefill's MoE layers are most of its work), and an
+attention worker's LM head borrows those of expert workers waiting for the next layer (at a step
+boundary, when every lane is at its LM head). A waiting worker wakes on the other's message, which
+comes after the kernel, so the two rarely overlap at all.
 
 Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 while it computes),
 row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i, expert
