@@ -23,9 +23,6 @@ constexpr int64_t kChunkMacs = int64_t{1} << 21;
 // A board is registered in this process and it may borrow.
 bool lending();
 
-// Linears of fewer multiply-adds than this do not borrow (the LM head does).
-constexpr int64_t kLendMinMacs = int64_t{1} << 24;
-
 // Items per chunk for items of `macs` multiply-adds each.
 inline int64_t chunk_items(int64_t macs) { return std::max<int64_t>(1, kChunkMacs / std::max<int64_t>(1, macs)); }
 

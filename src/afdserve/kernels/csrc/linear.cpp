@@ -23,6 +23,9 @@ namespace {
 
 #if defined(AFD_VEC)
 
+// linears of fewer multiply-adds than this do not borrow lent threads (the LM head does)
+constexpr int64_t kLendMinMacs = int64_t{1} << 24;
+
 // out: [M, n] with unit column stride and any row stride (a column range of a wider tensor)
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
@@ -74,10 +77,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               "linear: bias must be float32 [N]");
 }
 
-// x W^T (+ bias) into out ([M, n] of x's dtype or float32, unit column stride)
-void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                const at::Tensor& out) {
-  check_inputs(x, w, bias, n);
+// x W^T (+ bias) into out ([M, n] of x's dtype or float32, unit column stride); inputs checked
+void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                 const at::Tensor& out) {
   const auto dt = x.scalar_type(), odt = out.scalar_type();
   TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1
@@ -94,11 +96,17 @@ void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 #endif
 }
 
+void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                const at::Tensor& out) {
+  check_inputs(x, w, bias, n);
+  linear_into(x, w, bias, n, out);
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                   c10::optional<at::ScalarType> out_dtype) {
   check_inputs(x, w, bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  linear_out(x, w, bias, n, out);
+  linear_into(x, w, bias, n, out);
   return out;
 }
 

@@ -53,7 +53,6 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
   }
 }
 
-
 // fewer routed pairs than this do not borrow lent threads. With vdpbf16ps a decode-sized layer is a
 // few hundred microseconds, and borrowing for decode rounds made decode steps slower in
 // benchmarks/disagg_phases.py (with slices and with chunks alike); where bfloat16 is widened to
