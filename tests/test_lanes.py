@@ -8,7 +8,7 @@ import pytest
 from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import build_colocated
-from afdserve.runtime.pipeline import LMHeadShare
+from afdserve.runtime.lm_head import LMHeadShare
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -179,7 +179,7 @@ def test_busy_expert_workers_get_lm_head_shares_only_behind_short_layers():
     """A share waits behind the busy worker's layer: worth it where a layer's round trip is short
     against the LM head (a big vocabulary, the demo model), not where it is long (the ping-pong
     model's small vocabulary behind 4 ms layers), nor before anything was measured."""
-    from afdserve.runtime.pipeline import BUSY_SHARE_MAX_WAIT, unshared_busy
+    from afdserve.runtime.lm_head import BUSY_SHARE_MAX_WAIT, unshared_busy
 
     work, rate = 32 * 32000, 32 * 32000 / 2e-3  # a 2 ms LM head
     assert unshared_busy({0, 1}, work, rate, layer_rtt=0.6e-3) == set()

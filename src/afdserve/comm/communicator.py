@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from afdserve.comm.channel import RecvChannel, SendChannel
 from afdserve.comm.config import CommConfig
-from afdserve.comm.errors import PeerTimeoutError, SlotBusyError
+from afdserve.comm.errors import PeerError, PeerTimeoutError, SlotBusyError
 from afdserve.comm.handshake import Links, establish
 from afdserve.comm.message import Message, Meta
 from afdserve.comm.progress import Progress
@@ -170,6 +170,19 @@ class Communicator:
         if not names:
             raise ValueError("try_recv needs at least one peer")
         return None
+
+    def pending(self, peers: Sequence[Peer] | None = None) -> bool:
+        """Whether one of ``peers`` (default: all) has a message delivered or has failed, without
+        taking anything (a cheap check between pieces of other work)."""
+        for n in self.recv_peers if peers is None else [str(p) for p in peers]:
+            ch = self._links.recv.get(n) or self._chan(n, "recv")
+            try:
+                ch.check()
+            except PeerError:
+                return True
+            if not ch.held[ch.next_seq % ch.num_slots] and ch.ready():
+                return True
+        return False
 
     def progress(self) -> None:
         """Move whatever TCP data has arrived into registered slots (optional; waits do it anyway)."""

@@ -31,7 +31,7 @@ import torch
 from afdserve.config import cache_root
 
 NAME = "afdserve_kernels"
-SOURCES = ("ops.cpp", "lend.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp")
+SOURCES = ("ops.cpp", "lend.cpp", "claims.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp")
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the library links libgomp.so.1, which
 # resolves to the copy torch already loaded: one thread pool, sized by torch.set_num_threads)
 CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]

@@ -18,7 +18,9 @@ comes after the kernel, so the two rarely overlap at all.
 
 Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 while it computes),
 row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i, expert
-worker j slot SLOTS / 2 + j (``slot``).
+worker j slot SLOTS / 2 + j (``slot``). After it, int64 [SLOTS / 2, CLAIM_LANES]: the claim words
+of the attention workers' lanes, through which they share their LM heads out with idle expert
+workers (``runtime.lm_claims``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from afdserve import kernels
 from afdserve.kernels.build import cpu_cores
 
 SLOTS = 1024
-_BYTES = 2 * SLOTS * 4
+CLAIM_LANES = 16  # lanes per attention worker with a claim word (runtime.lm_claims)
+_LEND_BYTES = 2 * SLOTS * 4
+_BYTES = _LEND_BYTES + SLOTS // 2 * CLAIM_LANES * 8
 
 
 def slot(role: str, index: int) -> int:
@@ -48,6 +52,8 @@ class CoreBoard:
         self.mm, self.fd = mm, fd  # fd: the creator's, passed to the workers it starts
         self._ints = memoryview(mm).cast("i")  # plain stores: a Python call per wait, not a tensor op
         self.tensor = torch.frombuffer(mm, dtype=torch.int32, count=2 * SLOTS).view(2, SLOTS)
+        self.claim_words = torch.frombuffer(mm, dtype=torch.int64, count=SLOTS // 2 * CLAIM_LANES,
+                                            offset=_LEND_BYTES).view(SLOTS // 2, CLAIM_LANES)
 
     @classmethod
     def create(cls) -> "CoreBoard | None":
@@ -69,7 +75,7 @@ class CoreBoard:
 
     def lender(self, slot: int, threads: int) -> "Lender | None":
         """The owner's handle of ``slot`` (None past the board's slots: that worker lends nothing)."""
-        return Lender(self._ints, slot, threads) if 0 <= slot < SLOTS and threads > 0 else None
+        return Lender(self._ints, slot, threads, self) if 0 <= slot < SLOTS and threads > 0 else None
 
     def borrow(self, most: int) -> bool:
         """This process's big kernels (fused MoE, the LM head's linear) borrow up to ``most`` lent
@@ -90,8 +96,9 @@ class CoreBoard:
 class Lender:
     """A worker's slot: ``lend`` before it waits, ``reclaim`` when it wakes."""
 
-    def __init__(self, ints: memoryview, slot: int, threads: int):
+    def __init__(self, ints: memoryview, slot: int, threads: int, board: CoreBoard | None = None):
         self._ints, self.slot, self.threads = ints, slot, threads
+        self.board = board  # the board it is on (its LM-head claim words: runtime.lm_claims)
         self.reclaim()  # a replacement starts from a clean slot
 
     def lend(self) -> None:

@@ -26,11 +26,12 @@ class ExpertCompute:
         self.tokens_per_expert = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.int64)
 
     @torch.inference_mode()
-    def logits(self, xn: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """float32 logits of the vocabulary ``[start, end)`` for the final normalized hidden states ``xn``."""
+    def logits(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
+        """float32 logits of the vocabulary ``[start, end)`` for the final normalized hidden states
+        ``xn``, into ``out`` [len(xn), end - start]."""
         if self.lm_head is None:
             raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
-        return linear_rows(xn.to(self.lm_head.device), self.lm_head, start, end, torch.float32)
+        linear_rows(xn.to(self.lm_head.device), self.lm_head, start, end, torch.float32, out=out)
 
     @torch.inference_mode()
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:

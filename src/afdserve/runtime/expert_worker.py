@@ -18,6 +18,7 @@ from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.core_board import join, lent, slot
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.links import Links, PeerFailure, max_micro_batches, regroup
+from afdserve.runtime.lm_head import ClaimWords, ExpertLMWork
 from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, GetTrace, PeerLost, PrepareMap, Regroup,
                                        Shutdown, StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.trace import Tracer, idle_span
@@ -49,7 +50,10 @@ class ExpertWorker:
         # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and
         # this worker lends its own while it waits for their next layer (their LM heads borrow them)
         self.lender = join(spec.core_board, "expert", spec.index, cfg.num_threads or 1)
-        self.lm_layer = model_cfg.num_layers  # the layer index of LM head shares
+        self.lm_layer = model_cfg.num_layers  # the layer index of LM head jobs
+        # LM head jobs of the attention workers, worked on while no layer waits (runtime.lm_head)
+        self.lm = ExpertLMWork(self.compute.logits, model_cfg.vocab_size, ClaimWords.of(self.lender),
+                               lambda i: self.links.comm.capacity(self.peers[i]) - 64)
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
         # a deferred replacement connects on its first Regroup (its peers serve around it meanwhile)
@@ -64,7 +68,7 @@ class ExpertWorker:
             if not self.waiting_for_regroup and self.links is not None:
                 try:
                     # everything each peer has sent: the same layer of several lanes is computed at once
-                    msgs = self._gather()
+                    msgs = self._gather(wait=not self.lm.jobs)
                 except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
                     self._lost(e, ctl)
             links = self.links
@@ -73,9 +77,12 @@ class ExpertWorker:
                 if isinstance(msg, Shutdown):
                     return
                 self._control(msg, ctl)
-            if self.links is not links:  # regrouped: what came over the old links belongs to a step that runs again
-                msgs = []
+            if self.links is not links or self.waiting_for_regroup:  # what came over the old links belongs to a
+                msgs = []                                            # step that runs again
+                self.lm.clear()
             if not msgs:
+                if self.lm.jobs:  # no layer waits: the LM head jobs
+                    self._lm_work()
                 continue
             if self.tracer.enabled:
                 self.tracer.spans.append(idle_span(t0))
@@ -84,13 +91,14 @@ class ExpertWorker:
             except PeerFailure as e:
                 self._lost(e, ctl)
 
-    def _gather(self) -> list[tuple[int, Any]]:
-        """Everything each peer has sent, waiting up to 50 ms for something (its cores lent meanwhile)."""
+    def _gather(self, wait: bool = True) -> list[tuple[int, Any]]:
+        """Everything each peer has sent, waiting (if ``wait``) up to 50 ms for something (its cores
+        lent meanwhile)."""
         assert self.links is not None
         limit = max_micro_batches(self.spec.config.micro_batches)
-        if self.lender is not None:
+        if self.lender is not None or not wait:
             msgs = self.links.gather(0.0, limit=limit)  # what has come: no lending for nothing
-            if msgs:
+            if msgs or not wait:
                 return msgs
         with lent(self.lender):
             return self.links.gather(0.05, limit=limit)
@@ -140,16 +148,30 @@ class ExpertWorker:
             by_layer.setdefault((msg.meta.layer, msg.meta.tag), []).append((i, msg))
         for (layer, _), group in by_layer.items():
             t0 = time.perf_counter_ns()
-            if layer == self.lm_layer:  # shares of the LM head: each sender's own vocabulary range
-                with self.tracer.span("expert", layer=layer, phase="lm_head", senders=len(group)):
-                    outs = [self.compute.logits(m.tensors[0], m.meta.ints[0], m.meta.ints[1]) for _, m in group]
-                self._reply(group, outs, layer, t0)
+            if layer == self.lm_layer:  # LM head jobs: worked on once no layer waits
+                for i, m in group:
+                    self.lm.add(i, m.meta.step, m.meta.microbatch, layer, m.meta.ints, m.tensors[0])
+                    m.release()
                 continue
             mbs = sorted({m.meta.microbatch for _, m in group})
             with self.tracer.span("expert", layer=layer, mb=mbs[0] if len(mbs) == 1 else str(mbs),
                                   tokens=sum(m.tensors[0].shape[0] for _, m in group), senders=len(group)):
                 outs = self.compute.run(layer, [m.tensors for _, m in group], group[0][1].meta.tag)
             self._reply(group, outs, layer, t0)
+
+    def _lm_work(self) -> None:
+        """Pieces of the oldest LM head job until a message comes or the job has no blocks left."""
+        assert self.links is not None
+        links, t0 = self.links, time.perf_counter_ns()
+
+        def send(i: int, logits: torch.Tensor, meta: tuple[int, int, int, int], a: int, b: int) -> None:
+            if self.lender is not None:
+                self.lender.wake(slot("attention", i))
+            links.send(i, [logits], meta, ((self.busy_ns + time.perf_counter_ns() - t0) // 1000, a, b))
+
+        with self.tracer.span("expert", layer=self.lm_layer, phase="lm_head"):
+            self.lm.work(links.pending, send)
+        self.busy_ns += time.perf_counter_ns() - t0
 
     def _reply(self, group: list[tuple[int, Any]], outs: list[torch.Tensor], layer: int, t0: int) -> None:
         assert self.links is not None

@@ -37,7 +37,7 @@ class Lanes:
         self.engine, self.runner, self.tracer, self.emit = engine, runner, tracer, emit
         self.tasks: dict[int, _Task] = {}  # lane -> its step in flight
         self.ready: deque[int] = deque()  # lanes whose expert replies came: resumed first
-        self.runnable: list[int] = []  # lanes that can go on without the experts (the latest first)
+        self.runnable: list[int] = []  # lanes that can go on without the experts (the oldest step first)
         self.nothing_to_begin = False  # the last begin found nothing: retried after a change
 
     @property
@@ -71,9 +71,12 @@ class Lanes:
                     return self._resume(lane)
                 self.nothing_to_begin = True
         if self.runnable:
-            # the lane that yielded last goes on: lanes that reach their step boundary together
-            # finish it one after the other, not piece by piece in alternation
-            return self._resume(self.runnable.pop())
+            # the oldest step goes on: lanes that reach their step boundary together finish it one
+            # after the other, not piece by piece in alternation, and the first to reach it first
+            # (the expert workers take its LM head's blocks too, then the other's)
+            lane = min(self.runnable, key=lambda i: self.tasks[i].t0_ns)
+            self.runnable.remove(lane)
+            return self._resume(lane)
         if run.in_flight:
             self._completed(run.poll(timeout))
 

@@ -85,6 +85,10 @@ class Links:
         msg = self.comm.recv_any([self.peers[j] for j in peers], timeout=timeout)
         return self.peers.index(msg.peer), msg
 
+    def pending(self) -> bool:
+        """Some peer has a message delivered (or has failed: the next receive says so)."""
+        return self.comm.pending(self.present)
+
     def gather(self, timeout: float, limit: int = 1) -> list[tuple[int, Message]]:
         """Waits up to ``timeout`` for a first message, then takes the messages every peer has
         already delivered, up to ``limit`` per peer, in each peer's order (empty list when nothing came)."""

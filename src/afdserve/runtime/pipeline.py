@@ -10,7 +10,7 @@ order per worker) and returns the dispatches they complete. ``forward`` runs one
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Set as AbstractSet
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,8 @@ from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.core_board import Lender, lent, slot
 from afdserve.runtime.links import Links
+from afdserve.runtime.lm_head import BLOCK as VOCAB_BLOCK, ClaimWords, Coverage, FixedRange, LMHeadShare, LMJob, \
+    unshared_busy
 from afdserve.runtime.trace import Tracer
 
 GATE_ATTENTION, GATE_EXPERT = 0, 1
@@ -32,11 +34,6 @@ GATE_ATTENTION, GATE_EXPERT = 0, 1
 # other lanes run: a lane whose expert replies came waits at most a piece to feed the experts again
 LM_HEAD_PIECE_S = 250e-6
 LM_HEAD_FIRST_PIECE = 1024  # vocabulary rows of a piece before any was measured
-# an expert worker busy with another lane's layer gets a share of a lane's LM head only while a
-# layer's round trip is at most this fraction of that LM head's time here: the share then waits
-# little behind the layer, and the LM head ends sooner; behind a long layer it would hold both
-# sides up (this worker waits for the share, the expert for the other lane's next layer)
-BUSY_SHARE_MAX_WAIT = 1.0
 
 
 @dataclass
@@ -46,7 +43,7 @@ class Part:
     worker: int
     rows: torch.Tensor | None  # token rows it got (None: all)
     reply: Any = None  # the Message (its tensors are views of the registered slot); True once sunk
-    sink: Callable[[torch.Tensor], None] | None = None  # takes the reply's tensor at once (then released)
+    sink: Callable[[Any], None] | None = None  # takes each reply at once (then released): LM head runs
 
 
 @dataclass
@@ -61,9 +58,12 @@ class Dispatch:
     parts: list[Part] = field(default_factory=list)
     deadline: float = 0.0
     sent: float = field(default_factory=time.perf_counter)
+    lm: Coverage | None = None  # an LM head: complete once every vocabulary row is in
 
     @property
     def complete(self) -> bool:
+        if self.lm is not None:
+            return self.lm.done
         return all(p.reply is not None for p in self.parts)
 
 
@@ -71,7 +71,7 @@ class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
                  micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
                  tracker: LoadTracker | None = None, lm_head_share: float = 0.0, lm_reply_bytes: int = 0,
-                 lender: Lender | None = None):
+                 lender: Lender | None = None, index: int = 0):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
         self.version = 0  # of the expert map; sent with every dispatch
         self.tracker = tracker
@@ -88,6 +88,11 @@ class PipelinedRunner:
         self._expect: dict[int, dict[tuple[int, int, int], tuple[Dispatch, Part]]] = {}
         self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
         self.lender = lender  # this worker's cores, lent to expert workers while it waits for them
+        self.index = index  # this attention worker's
+        # with a core board, the LM head's blocks are taken from a shared word (work stealing); else
+        # the expert workers get fixed shares
+        self.claims = ClaimWords.of(lender) if lm_head_share > 0 else None
+        self._lm_tag = 0
         self._lm_rate = 0.0  # LM head (vocabulary rows x token rows) per second here, measured
         self._layer_rtt = 0.0  # seconds from a layer's dispatch to its last reply, measured
 
@@ -144,40 +149,30 @@ class PipelinedRunner:
             j, msg = got
             self._busy_reported(j, msg)
             key = (msg.meta.step, msg.meta.microbatch, msg.meta.layer)
-            hit = self._expect[j].pop(key, None)
+            hit = self._expect[j].get(key)
             if hit is None:
                 msg.release()
                 raise RuntimeError(f"expert worker {j} answered step {key[0]} micro-batch {key[1]} layer {key[2]}, "
                                    f"which is not in flight")
             d, part = hit
-            part.reply = msg
-            if part.sink is not None:  # copied out now: a reply the lane takes late holds no slot meanwhile
+            if part.sink is None:
+                del self._expect[j][key]
+                part.reply = msg
+            else:  # an LM head run, copied out now: a lane that takes it late holds no slot meanwhile
                 try:
-                    part.sink(msg.tensors[0])
+                    part.sink(msg)
                 finally:
                     msg.release()
-                part.reply = True
+                if not d.complete:
+                    wait = 0.0
+                    continue
+                self._forget(d)
             if d.complete:
                 done.append(d)
                 if d.layer < self.model.cfg.num_layers:
                     rtt = time.perf_counter() - d.sent
                     self._layer_rtt = rtt if self._layer_rtt <= 0 else 0.8 * self._layer_rtt + 0.2 * rtt
             wait = 0.0  # then whatever else has arrived, without waiting
-
-    def collect(self, d: Dispatch) -> Dispatch:
-        """Waits for the replies of ``d``, the only dispatch in flight (a caller that drives one
-        dispatch at a time)."""
-        for p in d.parts:
-            q = self._expect[p.worker]
-            if len(q) != 1 or (d.step, d.lane, d.layer) not in q:
-                raise RuntimeError("collect: another dispatch to the same worker is in flight")
-            q.clear()
-            t0 = time.perf_counter_ns()
-            with lent(self.lender):  # only waiting: its cores are lent
-                p.reply = self.links.recv(p.worker, max(0.0, d.deadline - time.monotonic()))
-            self.lm.waited(time.perf_counter_ns() - t0)
-            self._busy_reported(p.worker, p.reply)
-        return d
 
     def _busy_reported(self, worker: int, msg: Any) -> None:
         """An expert worker's reply carries its busy time so far (the LM head shares balance by it)."""
@@ -200,8 +195,8 @@ class PipelinedRunner:
         try:
             d = next(run)
             while True:
-                if d is not None:
-                    self.collect(d)
+                while d is not None and not d.complete:
+                    self.poll(self.timeout)
                 d = run.send(None)
         except StopIteration as stop:
             return stop.value
@@ -224,32 +219,64 @@ class PipelinedRunner:
             if d.parts:
                 yield d
             x = self.combine(d)
-        # the LM head: the expert workers' share of the vocabulary is sent first, this worker computes
-        # the rest in pieces meanwhile (other lanes run between them), then the shares are copied in
-        last = m.cfg.num_layers
+        # the LM head, in pieces between which other lanes run; the expert workers take pieces too
         xn = m.final_norm(x[rows])
         logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
-        busy = self._busy_for_lm_head(xn.shape[0])
-        shares = self.lm.shares(xn.shape[0], m.cfg.vocab_size, self._present(), busy)
-        local = shares[0][1] if shares else m.cfg.vocab_size
-        d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(xn.shape[0]))
-        with tr.span("send", mb=lane, layer=last):
-            for j, a, b in shares:
-                self._send(d, j, None, [xn], (step, lane, last, self.version), (a, b), count=False,
-                           sink=lambda t, a=a, b=b: logits[:, a:b].copy_(t))
-        start = 0
-        while start < local:
-            end = min(start + self._lm_piece(xn.shape[0]), local)
+        d, take = self._lm_job(lane, step, xn, logits)
+        while not d.lm.done:
+            got = take(self._lm_piece(xn.shape[0]) // VOCAB_BLOCK)
+            if got is None:
+                break
+            start, end = got[0] * VOCAB_BLOCK, min(got[1] * VOCAB_BLOCK, m.cfg.vocab_size)
             t0 = time.perf_counter()
-            with tr.span("attention", mb=lane, layer=last, phase="lm_head"):
+            with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
                 m.logits_slice(xn, start, end, logits)
             self._lm_measured(xn.shape[0] * (end - start), time.perf_counter() - t0)
-            start = end
+            d.lm.add(start, end)
             yield None
-        if d.parts:
-            yield d  # its replies are copied into the logits as they come
+        if not d.complete:
+            yield d  # the expert workers' runs are copied into the logits as they come
+        self._forget(d)
         self.lm.step_done()
         return logits
+
+    def _lm_job(self, lane: int, step: int, xn: torch.Tensor,
+                logits: torch.Tensor) -> tuple[Dispatch, Callable[[int], tuple[int, int] | None]]:
+        """Starts the LM head of ``lane``'s step: sends the job to the expert workers that help with
+        it; returns its dispatch (complete once every vocabulary row is in) and how this worker
+        takes its blocks (from the bottom)."""
+        rows, vocab, last = xn.shape[0], self.vocab_size, self.model.cfg.num_layers
+        blocks = -(-vocab // VOCAB_BLOCK)
+        d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(rows), lm=Coverage(vocab))
+        self._lm_tag = (self._lm_tag + 1) & 0xFFFF
+        piece = max(1, self._lm_piece(rows) // VOCAB_BLOCK)
+        workers = self._present()
+        index = ClaimWords.index(self.index, lane)
+        if self.claims is not None and index >= 0 and workers and rows <= self.lm.reply_bytes // (4 * VOCAB_BLOCK):
+            shared = self.claims.open(self.index, lane, self._lm_tag, blocks)  # every expert worker may help
+            helpers = [(j, LMJob(self._lm_tag, piece, 0, blocks, True)) for j in workers]
+            take = lambda n: shared.take(False, n)  # noqa: E731
+        else:  # fixed shares, where they pay (see LMHeadShare and unshared_busy)
+            shares = self.lm.shares(rows, vocab, workers, self._busy_for_lm_head(rows))
+            helpers = [(j, LMJob(self._lm_tag, piece, a // VOCAB_BLOCK, -(-b // VOCAB_BLOCK), False))
+                       for j, a, b in shares]
+            own = FixedRange(0, shares[0][1] // VOCAB_BLOCK if shares else blocks)
+            take = lambda n: own.take(False, n)  # noqa: E731
+
+        def sink(msg: Any) -> None:
+            a, b = msg.meta.ints[1], msg.meta.ints[2]
+            logits[:, a:b].copy_(msg.tensors[0])
+            d.lm.add(a, b)
+
+        with self.tracer.span("send", mb=lane, layer=last):
+            for j, job in helpers:
+                self._send(d, j, None, [xn], (step, lane, last, self.version), job.ints(), count=False, sink=sink)
+        return d, take
+
+    def _forget(self, d: Dispatch) -> None:
+        """Stops expecting replies to ``d`` (an LM head whose rows are all in)."""
+        for p in d.parts:
+            self._expect.get(p.worker, {}).pop((d.step, d.lane, d.layer), None)
 
     def _busy_for_lm_head(self, rows: int) -> set[int]:
         busy = {j for j, q in self._expect.items() if q}  # computing another lane's layer
@@ -319,7 +346,7 @@ class PipelinedRunner:
 
     def _send(self, d: Dispatch, worker: int, rows: torch.Tensor | None, tensors: list[torch.Tensor],
               meta: tuple[int, int, int, int], ints: tuple[int, ...] = (), count: bool = True,
-              sink: Callable[[torch.Tensor], None] | None = None) -> None:
+              sink: Callable[[Any], None] | None = None) -> None:
         if self.lender is not None:
             self.lender.wake(slot("expert", worker))
         self.links.send(worker, tensors, meta, ints)
@@ -352,71 +379,6 @@ class PipelinedRunner:
         finally:
             for p in d.parts:
                 p.reply.release()
-
-
-class LMHeadShare:
-    """How much of the LM head's vocabulary an attention worker sends to the expert workers: a share
-    in [0, ``limit``] moved, about every ``WINDOW_S``, toward balancing this worker's busy fraction
-    (the time it did not wait for replies) against the busiest expert worker's (reported with every
-    reply). A share must fit the reply slots: ``reply_bytes`` per float32 reply."""
-
-    WINDOW_S = 0.05
-    GAIN = 0.5
-
-    def __init__(self, limit: float, reply_bytes: int):
-        self.limit, self.reply_bytes = limit, reply_bytes
-        self.share = limit  # starts at the limit; the balance moves it
-        self._t0 = time.perf_counter_ns()
-        self._waited = 0
-        self._busy: dict[int, int] = {}  # per expert worker: busy microseconds it reported last
-        self._busy0: dict[int, int] = {}  # ... at the window's start
-
-    def shares(self, rows: int, vocab: int, workers: list[int],
-               busy: AbstractSet[int] = frozenset()) -> list[tuple[int, int, int]]:
-        """``(worker, start, end)`` of the vocabulary each expert worker computes for ``rows`` rows
-        (ascending; this worker computes ``[0, first start)``); [] for none. Workers in ``busy`` (with
-        another lane's dispatch in flight) get none: such a worker would start its share only after
-        that layer, and both sides would wait, this worker for the share and that one for the other
-        lane's next layer (which this worker computes only once the share is in)."""
-        workers = [j for j in workers if j not in busy]
-        if self.share <= 0 or not workers or rows == 0:
-            return []
-        remote = min(int(vocab * self.share), self.reply_bytes // (rows * 4) * len(workers))
-        start = -(-(vocab - remote) // 32) * 32  # whole blocks of 32 of the packed weight
-        if start >= vocab:
-            return []
-        cuts = [start + (vocab - start) * i // len(workers) // 32 * 32 for i in range(len(workers))] + [vocab]
-        return [(j, cuts[i], cuts[i + 1]) for i, j in enumerate(workers) if cuts[i + 1] > cuts[i]]
-
-    def waited(self, ns: int) -> None:
-        self._waited += ns
-
-    def expert_busy(self, worker: int, busy_us: int) -> None:
-        self._busy[worker] = busy_us
-        self._busy0.setdefault(worker, busy_us)
-
-    def step_done(self) -> None:
-        """A step's logits are done: at the end of a window, move the share."""
-        now = time.perf_counter_ns()
-        wall = now - self._t0
-        if wall < self.WINDOW_S * 1e9:
-            return
-        if self.limit > 0 and self._busy:
-            mine = 1.0 - self._waited / wall
-            theirs = max(min(1.0, (self._busy[j] - self._busy0[j]) * 1e3 / wall) for j in self._busy)
-            self.share = min(self.limit, max(0.0, self.share + self.GAIN * (mine - theirs)))
-        self._t0, self._waited = now, 0
-        self._busy0 = dict(self._busy)
-
-
-def unshared_busy(busy: set[int], lm_work: int, lm_rate: float, layer_rtt: float) -> set[int]:
-    """Of the expert workers ``busy`` with another lane's layer, those that get no share of an LM
-    head of ``lm_work`` (token rows x vocabulary rows, computed here at ``lm_rate`` per second): all
-    of them, unless a layer's round trip ``layer_rtt`` (seconds) is at most ``BUSY_SHARE_MAX_WAIT``
-    of that LM head's time (none measured yet: all of them)."""
-    if busy and lm_rate > 0 and 0 < layer_rtt <= BUSY_SHARE_MAX_WAIT * lm_work / lm_rate:
-        return set()
-    return busy
 
 
 def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""The LM head shared out in pieces (runtime.lm_head): the claim words that both ends take blocks
+from (kernels/csrc/claims.cpp), an expert worker's runs of blocks, and a deployment whose expert
+workers take blocks of a large vocabulary's LM head (with a core board) or fixed shares (without)."""
+
+import multiprocessing as mp
+import random
+
+import pytest
+import torch
+
+from afdserve import LLM, SamplingParams, kernels
+from afdserve.kernels import build
+from afdserve.runtime.core_board import CLAIM_LANES, CoreBoard
+from afdserve.runtime.lm_head import BLOCK, ClaimWords, ExpertLMWork, FixedRange, LMJob
+from tiny_models import hf_greedy, make_checkpoint
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
+
+
+@needs_kernels
+def test_both_ends_take_blocks_until_they_meet_and_an_old_tag_takes_nothing():
+    words = ClaimWords(torch.zeros(4 * CLAIM_LANES, dtype=torch.int64))
+    r = words.open(1, 2, tag=7, blocks=10)
+    assert r.take(False, 3) == (0, 3) and r.take(True, 4) == (6, 10) and r.take(True, 4) == (3, 6)
+    assert r.take(False, 1) is None and r.take(True, 1) is None
+    r2 = words.open(1, 2, tag=8, blocks=5)
+    assert words.range(1, 2, tag=7).take(True, 1) is None  # the old job's tag: none of the new job's blocks
+    assert r2.take(True, 9) == (0, 5)
+    assert words.range(1, 3, tag=8).take(False, 1) is None  # another lane's word: no job open
+    assert ClaimWords.index(0, CLAIM_LANES) == -1 and ClaimWords.index(-1, 0) == -1
+
+
+def _taker(words: torch.Tensor, top: bool, seed: int, out) -> None:
+    rng = random.Random(seed)
+    r = ClaimWords(words).range(3, 1, tag=5)
+    got = []
+    while (piece := r.take(top, rng.randrange(1, 4))) is not None:
+        got.append(piece)
+    out.send(got)
+
+
+@needs_kernels
+def test_two_processes_take_every_block_exactly_once():
+    board = CoreBoard.create()
+    try:
+        words = ClaimWords(board.claim_words)
+        for trial in range(5):
+            words.open(3, 1, tag=5, blocks=4000)
+            ctx = mp.get_context("fork")
+            pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+            procs = [ctx.Process(target=_taker, args=(board.claim_words, top, trial * 2 + top, pipes[top][1]))
+                     for top in (False, True)]
+            for p in procs:
+                p.start()
+            taken = [pipes[top][0].recv() for top in (False, True)]
+            for p in procs:
+                p.join(30)
+            blocks = sorted(b for pieces in taken for a, e in pieces for b in range(a, e))
+            assert blocks == list(range(4000))
+            assert all(a < e for pieces in taken for a, e in pieces)
+    finally:
+        board.close()
+
+
+def test_an_expert_worker_sends_runs_of_adjacent_blocks_and_stops_when_a_message_comes():
+    vocab, rows = 10 * BLOCK - 5, 3  # the last block is partial
+    w = torch.randn(vocab, 8)
+    xn = torch.randn(rows, 8)
+
+    def logits(x, a, b, out):
+        out.copy_(x @ w[a:b].T)
+
+    sent = []
+    work = ExpertLMWork(logits, vocab, None, capacity=lambda i: 4 * BLOCK * rows * 4)  # 4 blocks per reply
+    work.add(0, 11, 1, 2, LMJob(9, 2, 3, 10, False).ints(), xn)
+    stops = iter([False, True])
+    work.work(lambda: next(stops, False), lambda i, t, meta, a, b: sent.append((i, t.clone(), meta, a, b)))
+    assert [(a, b) for *_, a, b in sent] == [(6 * BLOCK, vocab)] and work.jobs  # two pieces, then a message came
+    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((i, t.clone(), meta, a, b)))
+    assert [(a, b) for *_, a, b in sent] == [(6 * BLOCK, vocab), (3 * BLOCK, 6 * BLOCK)] and not work.jobs
+    for i, t, meta, a, b in sent:
+        assert i == 0 and meta == (11, 1, 2, 0)
+        torch.testing.assert_close(t, xn @ w[a:b].T)
+
+
+def test_fixed_ranges_take_from_their_own_end():
+    r = FixedRange(2, 9)
+    assert r.take(True, 3) == (6, 9) and r.take(False, 3) == (2, 5) and r.take(True, 3) == (5, 6)
+    assert r.take(False, 1) is None
+
+
+@pytest.fixture(scope="module")
+def big_vocab_model(tmp_path_factory):
+    """A tiny Mixtral whose LM head is most of its work (8192 vocabulary rows): its expert workers
+    take blocks of it."""
+    return make_checkpoint(tmp_path_factory.mktemp("mixtral_vocab"), "mixtral", vocab_size=8192)
+
+
+@pytest.mark.parametrize("lend", [True, False])
+def test_a_shared_lm_head_gives_transformers_tokens(big_vocab_model, lend):
+    rng = random.Random(2)
+    ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
+    want = hf_greedy(big_vocab_model, ps, 8)
+    with LLM(str(big_vocab_model), num_kv_blocks=64, expert_workers=1, micro_batches=2, lend_idle_cores=lend) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_a_run_goes_out_when_the_reply_slot_is_full():
+    vocab, rows = 8 * BLOCK, 2
+    w, xn = torch.randn(vocab, 4), torch.randn(rows, 4)
+    sent = []
+    work = ExpertLMWork(lambda x, a, b, out: out.copy_(x @ w[a:b].T), vocab, None,
+                        capacity=lambda i: 3 * BLOCK * rows * 4)  # 3 blocks per reply
+    work.add(1, 5, 0, 2, LMJob(1, 1, 0, 8, False).ints(), xn)
+    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((a // BLOCK, b // BLOCK, t.clone())))
+    assert [(a, b) for a, b, _ in sent] == [(5, 8), (2, 5), (0, 2)]
+    for a, b, t in sent:
+        torch.testing.assert_close(t, xn @ w[a * BLOCK:b * BLOCK].T)
