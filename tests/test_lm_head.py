@@ -11,7 +11,7 @@ import torch
 from afdserve import LLM, SamplingParams, kernels
 from afdserve.kernels import build
 from afdserve.runtime.core_board import CLAIM_LANES, CoreBoard
-from afdserve.runtime.lm_head import BLOCK, ClaimWords, ExpertLMWork, FixedRange, LMJob
+from afdserve.runtime.lm_head import BLOCK, EXPERT_PIECE_DIVISOR, ClaimWords, ExpertLMWork, FixedRange, LMJob
 from tiny_models import hf_greedy, make_checkpoint
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
@@ -72,7 +72,7 @@ def test_an_expert_worker_sends_runs_of_adjacent_blocks_and_stops_when_a_message
 
     sent = []
     work = ExpertLMWork(logits, vocab, None, capacity=lambda i: 4 * BLOCK * rows * 4)  # 4 blocks per reply
-    work.add(0, 11, 1, 2, LMJob(9, 2, 3, 10, False).ints(), xn)
+    work.add(0, 11, 1, 2, LMJob(9, 2 * EXPERT_PIECE_DIVISOR, 3, 10, False).ints(), xn)  # pieces of 2 blocks
     stops = iter([False, True])
     work.work(lambda: next(stops, False), lambda i, t, meta, a, b: sent.append((i, t.clone(), meta, a, b)))
     assert [(a, b) for *_, a, b in sent] == [(6 * BLOCK, vocab)] and work.jobs  # two pieces, then a message came

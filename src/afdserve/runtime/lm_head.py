@@ -33,6 +33,9 @@ BLOCK = 32  # vocabulary rows per block: the packed LM head's column blocks
 # little behind the layer, and the LM head ends sooner; behind a long layer it would hold both
 # sides up (this worker waits for the share, the expert for the other lane's next layer)
 BUSY_SHARE_MAX_WAIT = 1.0
+# an expert worker's pieces are this many times smaller than the attention worker's: a layer that
+# comes meanwhile waits at most one piece
+EXPERT_PIECE_DIVISOR = 2
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ class ExpertLMWork:
         o = self.jobs[0]
         width = o.buf.shape[1] // BLOCK
         while True:
-            got = o.take(True, min(o.job.piece, width))
+            got = o.take(True, min(max(1, o.job.piece // EXPERT_PIECE_DIVISOR), width))
             if got is None:
                 self._flush(o, send)
                 self.jobs.pop(0)
