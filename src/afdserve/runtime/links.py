@@ -90,17 +90,23 @@ class Links:
         return self.comm.pending(self.present)
 
     def gather(self, timeout: float, limit: int = 1) -> list[tuple[int, Message]]:
-        """Waits up to ``timeout`` for a first message, then takes the messages every peer has
-        already delivered, up to ``limit`` per peer, in each peer's order (empty list when nothing came)."""
+        """The messages every peer has already delivered, up to ``limit`` per peer, in each peer's
+        order; if none has, waits up to ``timeout`` for a first one (empty list when nothing came)."""
+        got = self._delivered(limit)
+        if got or timeout <= 0:
+            return got
         try:
             first = self.comm.recv_any(self.present, timeout=timeout)
         except PeerTimeoutError:
             return []
-        got = [(self.peers.index(first.peer), first)]
+        return [(self.peers.index(first.peer), first)] + self._delivered(limit, first.peer)
+
+    def _delivered(self, limit: int, taken: str | None = None) -> list[tuple[int, Message]]:
+        got = []
         for i, name in enumerate(self.peers):
             if name not in self.present:
                 continue
-            for _ in range(limit - (name == first.peer)):
+            for _ in range(limit - (name == taken)):
                 msg = self.comm.try_recv([name])
                 if msg is None:
                     break
