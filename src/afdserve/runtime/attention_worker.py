@@ -66,7 +66,7 @@ class AttentionWorker:
         while True:
             idle = not lanes.busy and (not eng.has_unfinished() or self.waiting_for_regroup)
             t0 = time.time_ns()
-            if ctl.poll(0.05 if idle else 0):
+            if (idle or ctl.due()) and ctl.poll(0.05 if idle else 0):
                 while True:
                     msg = ctl.recv()
                     if isinstance(msg, Shutdown):

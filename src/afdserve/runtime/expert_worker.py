@@ -23,10 +23,6 @@ from afdserve.runtime.messages import (Ack, CommitMap, ExpertStats, GetStats, Ge
                                        Shutdown, StatsReply, ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.trace import Tracer, idle_span
 
-# while layers keep coming, the control channel (stats, membership, shutdown) is read at most this
-# often: a system call per round saved
-CONTROL_POLL_S = 0.001
-
 
 class ExpertWorker:
     def __init__(self, spec: WorkerSpec):
@@ -64,7 +60,6 @@ class ExpertWorker:
         self.links: Links | None = None if spec.deferred else Links.connect(spec, peers=self.peers)
         self.waiting_for_regroup = spec.deferred  # a peer was lost: nothing to gather until the links are new
         self.epoch = spec.epoch  # membership epoch of the links
-        self._control_due = 0.0  # when the control channel is read next while messages keep coming
 
     def serve(self, ctl: ControlChannel) -> None:
         while True:
@@ -77,9 +72,7 @@ class ExpertWorker:
                 except PeerFailure as e:  # a peer died or closed: wait for new links (a Regroup)
                     self._lost(e, ctl)
             links = self.links
-            now = time.monotonic()
-            if not msgs or now >= self._control_due:  # while layers keep coming, not every round
-                self._control_due = now + CONTROL_POLL_S
+            if not msgs or ctl.due():  # while layers keep coming, not every round
                 while ctl.poll(0 if not self.waiting_for_regroup else 0.05):
                     msg = ctl.recv()
                     if isinstance(msg, Shutdown):
