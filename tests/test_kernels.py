@@ -284,6 +284,24 @@ def test_linear_out_writes_a_column_range_in_place(dtype):
         linear_out(x, pack(w[:32]), 32, torch.empty(32, 13).T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_big_logits_written_past_the_caches_keep_their_bits(dtype):
+    """Logits of 4 MiB or more are written with streaming stores where a block is aligned (here
+    every other row: a row stride of 8,040 floats), with plain stores elsewhere: the same bits as
+    the plain-stored call, also in pieces and for the ragged last block."""
+    needs("linear", dtype)
+    from afdserve.kernels.linear import linear, linear_out, pack
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(136, 64, generator=g).to(dtype)
+    w = (torch.randn(8030, 64, generator=g) * 0.1).to(dtype)
+    whole = linear(x, pack(w), 8030, None, torch.float32)  # a new tensor: plain stores
+    out = torch.full((136, 8040), float("nan"))[:, :8030]  # 136 x 8,040 floats: past 4 MiB
+    for a, b in ((0, 4096), (4096, 8030)):
+        linear_out(x, pack(w[a:b]), b - a, out[:, a:b])
+    assert torch.equal(out, whole)
+
+
 def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
     """The extension builder's lock file, left by a killed build, is removed by the next build (which
     holds afdserve's own lock), not waited on forever."""

@@ -125,6 +125,16 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, start: int, end: int,
     return y if out is None else out.copy_(y)
 
 
+def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 logits ``x @ w.T`` of the whole vocabulary: into a new tensor by the in-place kernel
+    (``linear_rows``, which writes big logits past the caches) where it runs, else ``linear``."""
+    if packs(x, w) and _kernel(x) and not torch.compiler.is_compiling():
+        out = torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
+        return linear_rows(x.reshape(-1, x.shape[-1]), w, 0, w.shape[0], torch.float32,
+                           out=out.view(-1, w.shape[0])).view(out.shape)
+    return linear(x, w, out_dtype=torch.float32)
+
+
 def forget(w: torch.Tensor) -> None:
     """Drops the packed copies of ``w`` and of views into it (whatever layout): call after
     changing an inference tensor in place."""

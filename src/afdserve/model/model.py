@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afdserve import kernels
@@ -24,7 +23,7 @@ from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
 from afdserve.model.layers import RMSNorm
-from afdserve.model.linear import Linear, linear, linear_rows
+from afdserve.model.linear import Linear, linear_rows, lm_head
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -126,7 +125,7 @@ class AttentionModel(nn.Module):
         return h + routed
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm(x), self.lm_head.weight, out_dtype=torch.float32)
+        return lm_head(self.norm(x), self.lm_head.weight)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)

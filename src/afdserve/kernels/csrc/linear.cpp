@@ -9,6 +9,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <immintrin.h>
+#include <type_traits>
 #include <vector>
 
 namespace afd {
@@ -25,11 +28,16 @@ namespace {
 
 // linears of fewer multiply-adds than this do not borrow lent threads (the LM head does)
 constexpr int64_t kLendMinMacs = int64_t{1} << 24;
+// float32 outputs of at least this many bytes in all (the whole tensor that `out` is a view of: the
+// LM head's logits past a core's L2) are written past the caches
+constexpr int64_t kStreamMinBytes = int64_t{4} << 20;
 
-// out: [M, n] with unit column stride and any row stride (a column range of a wider tensor)
+// out: [M, n] with unit column stride and any row stride (a column range of a wider tensor); with
+// `stream`, float32 output blocks of a big output are written past the caches where aligned (the LM
+// head's logits: megabytes that sampling reads once, later; a write that fills no line first)
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                 const at::Tensor& out) {
+                 const at::Tensor& out, bool stream) {
   const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
   const int64_t groups = (M + MR - 1) / MR;
   std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
@@ -43,6 +51,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
   const int64_t ld = out.stride(0);
+  stream = stream && M * ld * static_cast<int64_t>(sizeof(O)) >= kStreamMinBytes;
   parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(groups * MR * NB);
     for (int64_t c = c0; c < c1; ++c) {
@@ -57,10 +66,19 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
       }
       for (int64_t r = 0; r < M; ++r) {
         const float* o = acc.data() + r * NB;
-        store16(op + r * ld + col, vadd(vload(o), b0), n0);
-        if (n1 > 0) store16(op + r * ld + col + 16, vadd(vload(o + 16), b1), n1);
+        O* dst = op + r * ld + col;
+        if constexpr (std::is_same_v<O, float>) {
+          if (stream && n1 == 16 && reinterpret_cast<uintptr_t>(dst) % kStreamAlign == 0) {
+            vstream(dst, vadd(vload(o), b0));
+            vstream(dst + 16, vadd(vload(o + 16), b1));
+            continue;
+          }
+        }
+        store16(dst, vadd(vload(o), b0), n0);
+        if (n1 > 0) store16(dst + 16, vadd(vload(o + 16), b1), n1);
       }
     }
+    if (stream) _mm_sfence();  // the streamed stores are visible before the call returns
   });
 }
 
@@ -79,7 +97,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 // x W^T (+ bias) into out ([M, n] of x's dtype or float32, unit column stride); inputs checked
 void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                 const at::Tensor& out) {
+                 const at::Tensor& out, bool stream) {
   const auto dt = x.scalar_type(), odt = out.scalar_type();
   TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1
@@ -87,11 +105,11 @@ void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   if (x.size(0) == 0) return;
 #if defined(AFD_VEC)
   if (dt == at::kFloat) {
-    linear_impl<float, float>(x, w, bias, n, out);
+    linear_impl<float, float>(x, w, bias, n, out, stream);
   } else if (odt == at::kFloat) {
-    linear_impl<at::BFloat16, float>(x, w, bias, n, out);
+    linear_impl<at::BFloat16, float>(x, w, bias, n, out, stream);
   } else {
-    linear_impl<at::BFloat16, at::BFloat16>(x, w, bias, n, out);
+    linear_impl<at::BFloat16, at::BFloat16>(x, w, bias, n, out, stream);
   }
 #endif
 }
@@ -99,14 +117,14 @@ void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
 void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                 const at::Tensor& out) {
   check_inputs(x, w, bias, n);
-  linear_into(x, w, bias, n, out);
+  linear_into(x, w, bias, n, out, true);  // the LM head (model.linear.linear_rows)
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                   c10::optional<at::ScalarType> out_dtype) {
   check_inputs(x, w, bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  linear_into(x, w, bias, n, out);
+  linear_into(x, w, bias, n, out, false);
   return out;
 }
 

@@ -109,6 +109,9 @@ inline V16 vzero() { return _mm512_setzero_ps(); }
 inline V16 vset1(float f) { return _mm512_set1_ps(f); }
 inline V16 vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+// past the caches (p 64-byte aligned): an output that is not read again soon costs no line fill
+inline void vstream(float* p, V16 v) { _mm512_stream_ps(p, v); }
+constexpr int64_t kStreamAlign = 64;
 inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
 inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
 inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
@@ -128,6 +131,8 @@ inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V16 vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
 inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void vstore(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline void vstream(float* p, V16 v) { _mm256_stream_ps(p, v.lo), _mm256_stream_ps(p + 8, v.hi); }
+constexpr int64_t kStreamAlign = 32;
 inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
