@@ -286,7 +286,7 @@ def test_linear_out_writes_a_column_range_in_place(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_big_logits_written_past_the_caches_keep_their_bits(dtype):
-    """Logits of 4 MiB or more are written with streaming stores where a block is aligned (here
+    """Logits of 2 MiB or more are written with streaming stores where a block is aligned (here
     every other row: a row stride of 8,040 floats), with plain stores elsewhere: the same bits as
     the plain-stored call, also in pieces and for the ragged last block."""
     needs("linear", dtype)
@@ -296,7 +296,7 @@ def test_big_logits_written_past_the_caches_keep_their_bits(dtype):
     x = torch.randn(136, 64, generator=g).to(dtype)
     w = (torch.randn(8030, 64, generator=g) * 0.1).to(dtype)
     whole = linear(x, pack(w), 8030, None, torch.float32)  # a new tensor: plain stores
-    out = torch.full((136, 8040), float("nan"))[:, :8030]  # 136 x 8,040 floats: past 4 MiB
+    out = torch.full((136, 8040), float("nan"))[:, :8030]  # 136 x 8,040 floats: past 2 MiB
     for a, b in ((0, 4096), (4096, 8030)):
         linear_out(x, pack(w[a:b]), b - a, out[:, a:b])
     assert torch.equal(out, whole)

@@ -29,8 +29,8 @@ namespace {
 // linears of fewer multiply-adds than this do not borrow lent threads (the LM head does)
 constexpr int64_t kLendMinMacs = int64_t{1} << 24;
 // float32 outputs of at least this many bytes in all (the whole tensor that `out` is a view of: the
-// LM head's logits past a core's L2) are written past the caches
-constexpr int64_t kStreamMinBytes = int64_t{4} << 20;
+// LM head's logits, larger than a core's L2) are written past the caches
+constexpr int64_t kStreamMinBytes = int64_t{2} << 20;
 
 // out: [M, n] with unit column stride and any row stride (a column range of a wider tensor); with
 // `stream`, float32 output blocks of a big output are written past the caches where aligned (the LM
