@@ -12,7 +12,7 @@ from afdserve import LLM, SamplingParams, kernels
 from afdserve.kernels import build
 from afdserve.runtime.core_board import CLAIM_LANES, CoreBoard
 from afdserve.runtime.lm_head import BLOCK, EXPERT_PIECE_DIVISOR, ClaimWords, ExpertLMWork, FixedRange, LMJob
-from tiny_models import hf_greedy, make_checkpoint
+from tiny_models import generate_losing, hf_greedy, make_checkpoint
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
 
@@ -125,46 +125,9 @@ def test_an_expert_lost_while_it_takes_lm_head_blocks_is_replaced_and_outputs_st
     """kill -9 (or SIGSTOP for 5 s) the expert worker mid-decode, when it takes blocks of the LM head
     (most of this model's work) as well as layers: the step runs again, greedy outputs equal the
     fault-free run's, nothing hangs."""
-    import os
-    import signal
-    import threading
-    import time
-
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(6)]
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     with LLM(str(big_vocab_model), num_kv_blocks=128, expert_workers=1, micro_batches=2) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        target = llm.engine.workers["expert0"]
-        started, result = threading.Event(), {}
-
-        def run():
-            try:
-                ids = [llm.engine.add_request(p, params) for p in prompts]
-                done, seen = {}, set()
-                while len(done) < len(ids):
-                    for o in llm.engine.get_outputs(timeout=1.0):
-                        assert o.error is None, o.error
-                        seen.add(o.request_id)
-                        if o.finished:
-                            done[o.request_id] = o.outputs[0].token_ids
-                    if len(seen) == len(ids):
-                        started.set()
-                result["out"] = [done[r] for r in ids]
-            except Exception as e:  # noqa: BLE001
-                result["error"] = e
-
-        th = threading.Thread(target=run)
-        th.start()
-        assert started.wait(30)
-        os.kill(target.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        if fault == "stop":
-            time.sleep(5)
-            try:
-                os.kill(target.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        th.join(120)
-        assert not th.is_alive(), "generate hung after the expert worker was lost"
-        assert "error" not in result, result.get("error")
-        assert result["out"] == want
+        assert generate_losing(llm, prompts, params, "expert0", fault) == want
         assert llm.engine.membership.restarts == {"expert0": 1}

@@ -2,16 +2,15 @@
 nothing is left behind."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 
 from afdserve import LLM, SamplingParams
+from tiny_models import generate_losing
 
 
 def _alive(pid: int) -> bool:
@@ -44,29 +43,7 @@ def test_a_lost_worker_is_replaced_and_requests_go_on(tiny_mixtral, victim, faul
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     pids = [w.pid for w in llm.engine.workers.values()]
     target = llm.engine.workers[victim]
-    started, result = threading.Event(), {}
-
-    def run():
-        try:
-            for out in _generate_streaming(llm, prompts, params, started):
-                result["out"] = out
-        except Exception as e:  # noqa: BLE001
-            result["error"] = e
-
-    th = threading.Thread(target=run)
-    th.start()
-    assert started.wait(30)  # decoding by now
-    os.kill(target.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-    if fault == "stop":
-        time.sleep(5)  # the fault itself: a 5 s stall
-        try:
-            os.kill(target.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass  # fenced already
-    th.join(120)
-    assert not th.is_alive(), "generate hung after a worker was lost"
-    assert "error" not in result, result.get("error")
-    assert result["out"] == want
+    assert generate_losing(llm, prompts, params, victim, fault) == want
     assert llm.engine.membership.restarts == {victim: 1} and llm.engine.failed is None
     assert not _alive(target.pid)  # fenced: a stalled process does not come back
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want  # and serving goes on
@@ -75,21 +52,6 @@ def test_a_lost_worker_is_replaced_and_requests_go_on(tiny_mixtral, victim, faul
     assert not any(_alive(p) for p in pids + now)
     ours = {str(p) for p in pids + now + [os.getpid()]}  # other tests on this machine may hold segments now
     assert {n for n in _shm() - before if n.split("_")[1] in ours} == set()
-
-
-def _generate_streaming(llm, prompts, params, started):
-    """LLM.generate's loop through the EngineClient, setting ``started`` once every request has tokens."""
-    ids = [llm.engine.add_request(p, params) for p in prompts]
-    done, seen = {}, set()
-    while len(done) < len(ids):
-        for o in llm.engine.get_outputs(timeout=1.0):
-            assert o.error is None, o.error
-            seen.add(o.request_id)
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-        if len(seen) == len(ids) and not started.is_set():
-            started.set()
-    yield [done[r] for r in ids]
 
 
 def test_workers_die_with_their_parent(tiny_mixtral, tmp_path):

@@ -60,6 +60,50 @@ def make_checkpoint(path: Path, arch: str, seed: int = 0, shard_size: str | None
     return path
 
 
+def generate_losing(llm, prompts, params, victim: str, fault: str) -> list[list[int]]:
+    """Generates ``prompts`` while worker ``victim`` is lost mid-decode, once every request has
+    tokens: ``fault`` "kill" (SIGKILL) or "stop" (SIGSTOP for 5 s, the stall itself, then SIGCONT if
+    it was not fenced yet). Returns each request's token ids; fails if generation hung or raised."""
+    import os
+    import signal
+    import threading
+    import time
+
+    started, result = threading.Event(), {}
+
+    def run():
+        try:
+            ids = [llm.engine.add_request(p, params) for p in prompts]
+            done, seen = {}, set()
+            while len(done) < len(ids):
+                for o in llm.engine.get_outputs(timeout=1.0):
+                    assert o.error is None, o.error
+                    seen.add(o.request_id)
+                    if o.finished:
+                        done[o.request_id] = o.outputs[0].token_ids
+                if len(seen) == len(ids):
+                    started.set()
+            result["out"] = [done[r] for r in ids]
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+
+    target = llm.engine.workers[victim]
+    th = threading.Thread(target=run)
+    th.start()
+    assert started.wait(30)  # decoding by now
+    os.kill(target.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    if fault == "stop":
+        time.sleep(5)  # the fault itself: a 5 s stall
+        try:
+            os.kill(target.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # fenced already
+    th.join(120)
+    assert not th.is_alive(), f"generate hung after {victim} was lost"
+    assert "error" not in result, result.get("error")
+    return result["out"]
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     import transformers as tf
 

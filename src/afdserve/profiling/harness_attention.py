@@ -55,8 +55,11 @@ def measure_attention(
         def call() -> None:
             lyr = state["n"] % cfg.num_layers
             state["n"] += 1
-            if state["flight"] is not None:
-                runner.combine(runner.collect(state["flight"]))
+            d = state["flight"]
+            if d is not None:
+                while not d.complete:
+                    runner.poll(runner.timeout)
+                runner.combine(d)
             h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
             state["flight"] = runner.dispatch(0, 0, lyr, h, y, ids, w)
 
