@@ -120,14 +120,16 @@ def test_a_run_goes_out_when_the_reply_slot_is_full():
         torch.testing.assert_close(t, xn @ w[a * BLOCK:b * BLOCK].T)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_an_expert_lost_while_it_takes_lm_head_blocks_is_replaced_and_outputs_stay(big_vocab_model, fault):
+@pytest.mark.parametrize("victim,fault", [("expert0", "kill"), ("expert0", "stop"), ("attention0", "kill")])
+def test_a_worker_lost_while_lm_head_blocks_are_taken_is_replaced_and_outputs_stay(big_vocab_model, victim, fault):
     """kill -9 (or SIGSTOP for 5 s) the expert worker mid-decode, when it takes blocks of the LM head
-    (most of this model's work) as well as layers: the step runs again, greedy outputs equal the
-    fault-free run's, nothing hangs."""
+    (most of this model's work) as well as layers, or kill an attention worker whose LM heads it
+    takes blocks of: only the lost worker is replaced (an expert worker whose run finds its receiver
+    gone waits for new links), greedy outputs equal the fault-free run's, nothing hangs."""
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(6)]
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    with LLM(str(big_vocab_model), num_kv_blocks=128, expert_workers=1, micro_batches=2) as llm:
+    with LLM(str(big_vocab_model), num_kv_blocks=128, attention_workers=2, expert_workers=1,
+             micro_batches=2) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert generate_losing(llm, prompts, params, "expert0", fault) == want
-        assert llm.engine.membership.restarts == {"expert0": 1}
+        assert generate_losing(llm, prompts, params, victim, fault) == want
+        assert llm.engine.membership.restarts == {victim: 1}

@@ -81,15 +81,16 @@ class ExpertWorker:
             if self.links is not links or self.waiting_for_regroup:  # what came over the old links belongs to a
                 msgs = []                                            # step that runs again
                 self.lm.clear()
-            if not msgs:
-                if self.lm.jobs:  # no layer waits: the LM head jobs
-                    self._lm_work()
+            if not msgs and not self.lm.jobs:
                 continue
-            if self.tracer.enabled:
+            if msgs and self.tracer.enabled:
                 self.tracer.spans.append(idle_span(t0))
             try:
-                self._round(msgs)
-            except PeerFailure as e:
+                if msgs:
+                    self._round(msgs)
+                else:  # no layer waits: the LM head jobs
+                    self._lm_work()
+            except PeerFailure as e:  # a run's receiver is gone too: wait for new links
                 self._lost(e, ctl)
 
     def _gather(self, wait: bool = True) -> list[tuple[int, Any]]:
