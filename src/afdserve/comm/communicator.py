@@ -162,27 +162,27 @@ class Communicator:
         """The next message of the first of ``peers`` (default: all) that has one delivered, without
         waiting (None if none has); raises like ``recv`` for a dead or closed peer."""
         names = self.recv_peers if peers is None else [str(p) for p in peers]
-        for n in names:
-            ch = self._links.recv.get(n) or self._chan(n, "recv")
-            ch.check()
-            if not ch.held[ch.next_seq % ch.num_slots] and ch.ready():
-                return ch.take(_now() + self.config.deadline_s)
         if not names:
             raise ValueError("try_recv needs at least one peer")
-        return None
+        ch = self._first_delivered(names)
+        return None if ch is None else ch.take(_now() + self.config.deadline_s)
 
     def pending(self, peers: Sequence[Peer] | None = None) -> bool:
         """Whether one of ``peers`` (default: all) has a message delivered or has failed, without
         taking anything (a cheap check between pieces of other work)."""
-        for n in self.recv_peers if peers is None else [str(p) for p in peers]:
+        try:
+            return self._first_delivered(self.recv_peers if peers is None else [str(p) for p in peers]) is not None
+        except PeerError:
+            return True
+
+    def _first_delivered(self, names: Sequence[str]) -> RecvChannel | None:
+        """The first channel of ``names`` whose next message has arrived (raises for a failed peer)."""
+        for n in names:
             ch = self._links.recv.get(n) or self._chan(n, "recv")
-            try:
-                ch.check()
-            except PeerError:
-                return True
+            ch.check()
             if not ch.held[ch.next_seq % ch.num_slots] and ch.ready():
-                return True
-        return False
+                return ch
+        return None
 
     def progress(self) -> None:
         """Move whatever TCP data has arrived into registered slots (optional; waits do it anyway)."""

@@ -113,7 +113,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, start: int, end: int,
     multiple of 32; else as ``linear`` of the slice. With ``out`` (2-D ``x``; ``out`` [M, end -
     start] of ``out_dtype``, unit column stride: a column range of the whole logits) the kernel
     writes there, with no intermediate tensor and copy."""
-    if start % BLOCK == 0 and packs(x, w) and _kernel(x) and not torch.compiler.is_compiling():
+    if start % BLOCK == 0 and _rows_kernel(x, w):
         packed = _packed_weight(w, PLAIN, True)[start // BLOCK: -(-end // BLOCK)]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         if out is not None and out.stride(-1) == 1:
@@ -128,11 +128,16 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, start: int, end: int,
 def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float32 logits ``x @ w.T`` of the whole vocabulary: into a new tensor by the in-place kernel
     (``linear_rows``, which writes big logits past the caches) where it runs, else ``linear``."""
-    if packs(x, w) and _kernel(x) and not torch.compiler.is_compiling():
+    if _rows_kernel(x, w):
         out = torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
         return linear_rows(x.reshape(-1, x.shape[-1]), w, 0, w.shape[0], torch.float32,
                            out=out.view(-1, w.shape[0])).view(out.shape)
     return linear(x, w, out_dtype=torch.float32)
+
+
+def _rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``linear_rows`` runs afdserve's kernel on the packed copy of the whole ``w`` (not compiling)."""
+    return packs(x, w) and _kernel(x) and not torch.compiler.is_compiling()
 
 
 def forget(w: torch.Tensor) -> None:

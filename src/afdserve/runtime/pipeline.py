@@ -42,8 +42,8 @@ class Part:
 
     worker: int
     rows: torch.Tensor | None  # token rows it got (None: all)
-    reply: Any = None  # the Message (its tensors are views of the registered slot); True once sunk
-    sink: Callable[[Any], None] | None = None  # takes each reply at once (then released): LM head runs
+    reply: Any = None  # the Message (its tensors are views of the registered slot)
+    sink: Callable[[Any], None] | None = None  # LM head runs: each taken at once, released (reply stays None)
 
 
 @dataclass
@@ -184,7 +184,7 @@ class PipelinedRunner:
         those of ``held``: dispatches lanes were waiting on)."""
         for d in [d for q in self._expect.values() for d, _ in q.values()] + list(held):
             for p in d.parts:
-                if p.reply is not None and p.reply is not True:
+                if p.reply is not None:
                     p.reply.release()
         self._expect.clear()
 
