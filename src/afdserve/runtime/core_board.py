@@ -20,7 +20,7 @@ Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 whi
 row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i, expert
 worker j slot SLOTS / 2 + j (``slot``). After it, int64 [SLOTS / 2, CLAIM_LANES]: the claim words
 of the attention workers' lanes, through which they share their LM heads out with idle expert
-workers (``runtime.lm_claims``).
+workers (``runtime.lm_head``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from afdserve import kernels
 from afdserve.kernels.build import cpu_cores
 
 SLOTS = 1024
-CLAIM_LANES = 16  # lanes per attention worker with a claim word (runtime.lm_claims)
+CLAIM_LANES = 16  # lanes per attention worker with a claim word (runtime.lm_head)
 _LEND_BYTES = 2 * SLOTS * 4
 _BYTES = _LEND_BYTES + SLOTS // 2 * CLAIM_LANES * 8
 
@@ -98,7 +98,7 @@ class Lender:
 
     def __init__(self, ints: memoryview, slot: int, threads: int, board: CoreBoard | None = None):
         self._ints, self.slot, self.threads = ints, slot, threads
-        self.board = board  # the board it is on (its LM-head claim words: runtime.lm_claims)
+        self.board = board  # the board it is on (its LM-head claim words: runtime.lm_head)
         self.reclaim()  # a replacement starts from a clean slot
 
     def lend(self) -> None:

@@ -107,9 +107,9 @@ class ClaimWords:
 
     def open(self, worker: int, lane: int, tag: int, blocks: int) -> SharedRange:
         """A new job of ``blocks`` blocks on the word of (``worker``, ``lane``)."""
-        index = self.index(worker, lane)
-        kernels.ops().claims_open(self.words, index, tag & 0xFFFF, blocks)
-        return SharedRange(self.words, index, tag & 0xFFFF)
+        r = self.range(worker, lane, tag)
+        kernels.ops().claims_open(self.words, r.index, r.tag, blocks)
+        return r
 
     def range(self, worker: int, lane: int, tag: int) -> SharedRange:
         return SharedRange(self.words, self.index(worker, lane), tag & 0xFFFF)
@@ -143,7 +143,8 @@ class ExpertLMWork:
         buf: torch.Tensor  # the run's logits: its last block ends at the buffer's right end
         run: tuple[int, int] | None = None  # the blocks in the buffer
 
-    def __init__(self, logits: Callable[..., torch.Tensor], vocab: int, claims: ClaimWords | None,
+    def __init__(self, logits: Callable[[torch.Tensor, int, int, torch.Tensor], None], vocab: int,
+                 claims: ClaimWords | None,
                  capacity: Callable[[int], int]):
         self.logits, self.vocab, self.claims, self.capacity = logits, vocab, claims, capacity
         self.jobs: list[ExpertLMWork.Open] = []
@@ -180,9 +181,7 @@ class ExpertLMWork:
             if o.run is not None and (o.run[0] != b or o.run[1] - a > width):  # not adjacent, or full
                 self._flush(o, send)
             hi = b if o.run is None else o.run[1]
-            end = min(b * BLOCK, self.vocab)
-            right = o.buf.shape[1] - (hi * BLOCK - end)  # the buffer's right end is row hi * BLOCK
-            self.logits(o.xn, a * BLOCK, end, o.buf[:, right - (end - a * BLOCK): right])
+            self.logits(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), self._columns(o.buf, a, b, hi))
             o.run = (a, hi)
             if interrupted():
                 self._flush(o, send)
@@ -192,10 +191,16 @@ class ExpertLMWork:
         if o.run is None:
             return
         a, b = o.run
-        end = min(b * BLOCK, self.vocab)
-        right = o.buf.shape[1] - (b * BLOCK - end)
-        send(o.sender, o.buf[:, right - (end - a * BLOCK): right], o.meta, a * BLOCK, end)
+        send(o.sender, self._columns(o.buf, a, b, b), o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
         o.run = None
+
+    def _columns(self, buf: torch.Tensor, a: int, b: int, hi: int) -> torch.Tensor:
+        """The columns of ``buf`` holding blocks ``[a, b)`` of a run that ends at block ``hi`` (the
+        buffer's right end stands for vocabulary row ``hi * BLOCK``; rows past the vocabulary have
+        no columns)."""
+        end = min(b * BLOCK, self.vocab)
+        right = buf.shape[1] - (hi * BLOCK - end)
+        return buf[:, right - (end - a * BLOCK): right]
 
 
 class LMHeadShare:

@@ -1,5 +1,5 @@
 // Pieces of one job shared out between processes through a word in shared memory
-// (afdserve.runtime.lm_claims): the LM head's vocabulary blocks, taken from the bottom by the
+// (afdserve.runtime.lm_head): the LM head's vocabulary blocks, taken from the bottom by the
 // attention worker that owns the job and from the top by expert workers that have nothing else to
 // do, until the two ends meet. Each word packs the job's tag (16 bits: a piece of an older job of
 // the same lane is never taken for a newer one) and the untaken range [lo, hi) of 24 bits each.
