@@ -21,9 +21,9 @@ from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
 from afdserve.cluster.prefix_routing import PrefixRecord, record_capacity
-from afdserve.cluster import resize
+from afdserve.cluster import rebalance, resize
 from afdserve.cluster.process_launcher import start_store
-from afdserve.cluster.supervisor import Heartbeats, Membership
+from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST, CrashCounts, Heartbeats, Membership
 from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import context_len, front_end_tokenizer, prefix_config, resolve_model
@@ -38,9 +38,9 @@ from afdserve.planner import attention_request_cost
 from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, CommitMap, Crashed, FromWorker, GetStats,
-                                       GetTrace, PeerLost, PrepareMap, Ready, Regroup, SetMicroBatches, Shutdown,
-                                       StatsReply, StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec)
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Crashed, FromWorker, GetStats, GetTrace,
+                                       PeerLost, Ready, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs,
+                                       ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
@@ -81,6 +81,7 @@ class ClusterClient(FrontEnd):
         self.owner: dict[str, str] = {}  # request id -> attention worker
         self.lengths: dict[str, int] = {}  # request id -> tokens so far (for attention balance)
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> what to re-admit
+        self.crashes = CrashCounts()  # requests in flight through worker crashes (a fault they trigger fails them)
         self.balancer = AttentionBalancer(list(self.attention), attention_request_cost(cfg.attention_cost)) \
             if cfg.attention_cost else AttentionBalancer(list(self.attention))
         prefix = prefix_config(cfg, path)  # cache-aware routing: where each request's prompt blocks went
@@ -182,6 +183,7 @@ class ClusterClient(FrontEnd):
         return outs
 
     def _release(self, request_id: str) -> str | None:
+        self.crashes.progressed(request_id)
         target = self.owner.pop(request_id, None)
         self.lengths.pop(request_id, None)
         self.requests.pop(request_id, None)
@@ -200,11 +202,13 @@ class ClusterClient(FrontEnd):
                 if o.finished:
                     self._release(o.request_id)
                 elif o.request_id in self.lengths:
+                    if o.new_token_ids:
+                        self.crashes.progressed(o.request_id)
                     self.lengths[o.request_id] += len(o.new_token_ids)
                     self.balancer.update(name, o.request_id, self.lengths[o.request_id])
             return msg.outputs
         if isinstance(msg, Crashed):
-            return self._lost(name, msg.error)
+            return self._lost(name, msg.error, crashed=True)
         if isinstance(msg, PeerLost):  # a report from an older epoch is about links already replaced
             if msg.epoch < self.membership.epoch or msg.peer not in self.workers:
                 return []
@@ -218,16 +222,20 @@ class ClusterClient(FrontEnd):
             self.stats_view.on_stats(name, msg.stats)
         return []
 
-    def _lost(self, name: str, reason: str) -> list[TokenOutput]:
+    def _lost(self, name: str, reason: str, crashed: bool = False) -> list[TokenOutput]:
         """A worker died, crashed or stalled past its peers' deadline: fence it and replace it in a new
         membership epoch (``afdserve.cluster.supervisor``); requests go on. Where workers cannot be
-        replaced (Ray), or a replacement keeps dying before it is ready, every request fails instead."""
+        replaced (Ray), or a replacement keeps dying before it is ready, every request fails instead.
+        A request in flight through ``MAX_CRASHES_PER_REQUEST`` crashes (``crashed``: an error the
+        worker raised) with no token between them fails with that error: what a request triggers
+        every time must not restart a worker forever."""
         if self._closed or self.failed:
             return []
         if not self.can_replace:
             return self._fail_all(name, reason)
         if self.membership.pending(name) and self.membership.start_failed(name):
             return self._fail_all(name, f"{self._who(name)} could not be restarted: {reason}")
+        outs = self._fail_crashed(name, reason) if crashed else []
         self.workers[name].kill()
         survivors = [n for n in self.workers if n != name and not self.membership.pending(n)]
         rec = self.membership.begin(name, reason, survivors)
@@ -246,7 +254,20 @@ class ClusterClient(FrontEnd):
                 if self.routes is not None:
                     self.routes.forget(n)  # a new process: its prefix cache is empty
                 self._readmit(n)
-        return []
+        return outs
+
+    def _fail_crashed(self, name: str, reason: str) -> list[TokenOutput]:
+        """Counts a crash of worker ``name`` against the requests it interrupted (an attention worker's
+        own; every request for an expert worker) and fails those that reached the limit."""
+        hit = [rid for rid, owner in self.owner.items() if owner == name or name not in self.attention]
+        outs = []
+        for rid in self.crashes.crashed(hit):
+            owner = self._release(rid)
+            if owner is not None and owner != name:
+                self.workers[owner].send(AbortRequests([rid]))
+            outs.append(TokenOutput(rid, [], "abort", error=f"worker failure: {self._who(name)} crashed "
+                                    f"{MAX_CRASHES_PER_REQUEST} times with this request in flight: {reason}"))
+        return outs
 
     def _serve_around(self, starting: set[str]) -> tuple[int, ...]:
         """The expert workers (indices) that the others serve around while they are replaced: with
@@ -340,7 +361,7 @@ class ClusterClient(FrontEnd):
                 self.heartbeats.heard(name)
                 yield name, msg  # type: ignore[misc]
 
-    def _call(self, targets: list[str], msg: ToWorker | Callable[[int], ToWorker], reply: type,
+    def call(self, targets: list[str], msg: ToWorker | Callable[[int], ToWorker], reply: type,
               timeout: float = 120.0) -> dict[str, Any]:
         """Sends ``msg`` (or ``msg(i)`` to the i-th target) to ``targets`` and waits for each one's
         ``reply`` message (outputs arriving meanwhile are kept for the next ``get_outputs``)."""
@@ -373,26 +394,7 @@ class ClusterClient(FrontEnd):
         ``slots_per_worker`` slots each) while serving: expert workers first load the new experts
         next to the old ones, then every attention worker switches maps between two steps, then
         the experts no longer needed are dropped. No request fails and no output changes."""
-        self.settle(120.0)  # a membership change under way (its maps) finishes first
-        if placement is None:
-            from afdserve.balance.planners import plan_janus, plan_megascale
-
-            load = self.expert_load()
-            if load is None:
-                raise WorkerError("no expert load recorded yet: serve some requests first")
-            slots = slots_per_worker or max(self.expert_map.placement.layers[0].capacities)
-            placement = (plan_janus if planner == "janus" else plan_megascale)(load, len(self.experts), slots)
-        new_map = ExpertMap(placement)
-        if new_map.num_workers != len(self.experts) or new_map.num_layers != self.model_cfg.num_layers:
-            raise WorkerError(f"placement is for {new_map.num_workers} workers x {new_map.num_layers} layers; "
-                              f"the deployment has {len(self.experts)} x {self.model_cfg.num_layers}")
-        placement.validate()
-        version = self.map_version + 1
-        self._call(self.experts, PrepareMap(version, new_map), Ack)
-        self._call(self.attention, SwitchMap(version, new_map), Ack)
-        self._call(self.experts, CommitMap(version), Ack)
-        self.map_version, self.expert_map = version, new_map
-        return RebalanceResult(version, [new_map.experts_of(w) for w in range(new_map.num_workers)])
+        return rebalance.move_experts(self, slots_per_worker, planner, placement)
 
     def set_micro_batches(self, m: int) -> None:
         """Changes how many micro-batches every attention worker splits its batch into, from the
@@ -400,20 +402,20 @@ class ClusterClient(FrontEnd):
         if not 1 <= m <= self.max_micro_batches:
             raise ConfigError(f"micro_batches must be in 1..{self.max_micro_batches} (the links were sized "
                               f"at start-up for micro_batches={self.max_micro_batches}), got {m}")
-        self._call(self.attention, SetMicroBatches(m), Ack)
+        self.call(self.attention, SetMicroBatches(m), Ack)
         self.micro_batches = m
 
     # ---- introspection ------------------------------------------------------------------------
     def worker_stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """Every live worker's stats (``AttentionStats`` or ``ExpertStats``), asked for and awaited."""
-        got = self._call(self._live(), GetStats(), StatsReply, timeout)
+        got = self.call(self._live(), GetStats(), StatsReply, timeout)
         for name, m in got.items():
             self.stats_view.on_stats(name, m.stats)
         return {name: m.stats for name, m in got.items()}
 
     def traces(self, timeout: float = 10.0) -> dict[str, list[dict]]:
         """Every live worker's trace events since the last call (numbered rows of one trace)."""
-        got = self._call(sorted(self._live()), GetTrace, TraceReply, timeout)
+        got = self.call(sorted(self._live()), GetTrace, TraceReply, timeout)
         return {name: m.events for name, m in sorted(got.items())}
 
     def write_trace(self, path: str) -> None:

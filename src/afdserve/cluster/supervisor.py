@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("afdserve.cluster")
 
 MAX_FAILED_STARTS = 3  # a replacement that dies this many times in a row before it is ready: give up
+# a request in flight through this many worker crashes (errors the worker raised), with no token of it
+# between them, fails instead of being run again: a fault it triggers every time would otherwise
+# have its worker replaced forever
+MAX_CRASHES_PER_REQUEST = 3
 
 
 @dataclass
@@ -116,6 +120,28 @@ class Membership:
         """A replacement died before it was ready; True when it should not be tried again."""
         self.failed_starts[name] = self.failed_starts.get(name, 0) + 1
         return self.failed_starts[name] >= MAX_FAILED_STARTS
+
+
+@dataclass
+class CrashCounts:
+    """Per request: the worker crashes it was in flight through since its last token."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def progressed(self, request_id: str) -> None:
+        """A token of the request arrived (or it finished): its count starts again."""
+        self.counts.pop(request_id, None)
+
+    def crashed(self, request_ids: list[str]) -> list[str]:
+        """Counts one crash against each of ``request_ids``; returns those that reached
+        ``MAX_CRASHES_PER_REQUEST`` (forgotten here: the caller fails them)."""
+        out = []
+        for rid in request_ids:
+            self.counts[rid] = self.counts.get(rid, 0) + 1
+            if self.counts[rid] >= MAX_CRASHES_PER_REQUEST:
+                out.append(rid)
+                del self.counts[rid]
+        return out
 
 
 @dataclass
