@@ -64,3 +64,15 @@ def test_deployment_spec_sets_each_roles_device():
     assert 'device = "cuda:1"' in spec.to_toml()
     with pytest.raises(ConfigError, match="expert.device"):
         DeploymentSpec.from_dict({"attention": {"workers": 1}, "expert": {"workers": 1, "device": "gpu"}})
+
+
+def test_attention_inputs_that_fused_cuda_kernels_misread_are_recognised():
+    """``model.layers.sdpa`` sends these through the math backend on CUDA (an H200 raised a
+    misaligned address for values sliced at an odd offset, the tiny DeepSeek-V3's)."""
+    from afdserve.model.layers import _rows_aligned
+
+    x = torch.randn(4, 8, 32)
+    k, v = x.split([10, 22], -1)
+    assert _rows_aligned(x) and _rows_aligned(torch.randn(3, 1, 5, 16))  # size-1 dims' strides do not count
+    assert not _rows_aligned(k) and not _rows_aligned(v)  # 10 floats a row; v starts 10 floats in
+    assert not _rows_aligned(torch.randn(5, 26))  # 104-byte rows

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afdserve import kernels
@@ -14,7 +13,7 @@ from afdserve.kernels.attention import paged_attention
 from afdserve.kernels.layers import rope_cache
 from afdserve.kvcache.block_manager import block_slots
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers import RMSNorm
+from afdserve.model.layers import RMSNorm, sdpa
 from afdserve.model.linear import Linear
 from afdserve.model.rope import apply_rotary
 
@@ -247,7 +246,7 @@ class AttentionPart(nn.Module):
         Lq = heads per key head, ``gqa`` False): the same attention, and several times faster on
         CPU than ``enable_gqa``."""
         if self.sinks is None:
-            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, is_causal=mask is None,
+            return sdpa(q, keys, vals, attn_mask=mask, is_causal=mask is None,
                                                   scale=self.scale, enable_gqa=gqa)
         b, hq, lq, _ = q.shape
         if mask is None:
@@ -257,7 +256,7 @@ class AttentionPart(nn.Module):
         bias = torch.cat([bias.expand(b, hq, lq, -1),
                           self.sinks.to(q.dtype).view(1, hq, -1, 1).expand(b, hq, lq, 1)], dim=-1)
         zero = keys.new_zeros(b, keys.shape[1], 1, keys.shape[3])
-        return F.scaled_dot_product_attention(q, torch.cat([keys, zero], 2), torch.cat([vals, zero], 2),
+        return sdpa(q, torch.cat([keys, zero], 2), torch.cat([vals, zero], 2),
                                               attn_mask=bias, scale=self.scale, enable_gqa=gqa)
 
     def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,

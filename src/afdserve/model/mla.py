@@ -15,12 +15,11 @@ by all heads. Keys and values of head n are ``k_n = [W_UK_n c | k_pe]`` and ``v_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afdserve.model.attention import AttnMetadata
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers import RMSNorm
+from afdserve.model.layers import RMSNorm, sdpa
 from afdserve.model.linear import Linear
 from afdserve.model.loader import CheckpointReader
 from afdserve.model.rope import apply_rotary
@@ -124,10 +123,10 @@ class MLAPart(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         qs, ks, vs = (a.transpose(0, 1)[None] for a in (q, k, v))
         if qlen == kv_len:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=m.softmax_scale)
+            o = sdpa(qs, ks, vs, is_causal=True, scale=m.softmax_scale)
         else:  # new tokens attend to the cached prefix and causally among themselves
             mask = torch.ones(qlen, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - qlen)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=m.softmax_scale)
+            o = sdpa(qs, ks, vs, attn_mask=mask, scale=m.softmax_scale)
         return o[0].transpose(0, 1)
 
     DECODE_CHUNK = 32  # sequences per attention call
@@ -144,7 +143,7 @@ class MLAPart(nn.Module):
             e = s + self.DECODE_CHUNK
             keys = cache[meta.decode_slots[s:e]][:, None]  # [S, 1, L, r + rope]: one key head
             # the heads as the queries of that one key head (faster on CPU than enable_gqa)
-            o = F.scaled_dot_product_attention(q[s:e, None], keys, keys[..., : m.kv_lora_rank],
+            o = sdpa(q[s:e, None], keys, keys[..., : m.kv_lora_rank],
                                                attn_mask=meta.decode_mask[s:e], scale=m.softmax_scale)
             outs.append(o[:, 0])
         lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, nh, r]
