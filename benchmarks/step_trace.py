@@ -5,7 +5,8 @@ ignored), one warm-up and one traced generate per batch size, then splits the de
 worker into its kinds of work, per step of the whole batch (``afdserve.runtime.trace_steps``): the
 attention worker's layers, LM head (its share), combines, sends, engine (scheduling, sampling,
 outputs) and the rest (waiting for replies); the expert worker's MoE layers, LM head share, sends
-and idle time.
+and idle time; then who waits on whom (``trace_steps.idle_beside``): each worker's idle time split by
+what the other worker did meanwhile.
 
     python benchmarks/step_trace.py [--batches 64,256] [--threads 1] [--micro-batches 2] [--compile]
                                     [--no-lend-idle-cores]
@@ -25,7 +26,7 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.model.demo import demo_model_path
 from afdserve.runtime.trace_plot import load
-from afdserve.runtime.trace_steps import breakdown
+from afdserve.runtime.trace_steps import breakdown, idle_beside
 
 COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "attn LM head"),
            ("send_ms", "attn send"), ("engine_ms", "engine"), ("other_ms", "attn other"),
@@ -48,8 +49,10 @@ def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
         llm.generate(prompts, params)
     finally:
         llm.shutdown()
-    b = breakdown(load(path), "attention0", "expert0", batch)
-    return {"batch": batch, "new_tokens": new_tokens, **b.to_json(), "tok_per_s_from_steps": round(batch / b.step_ms * 1e3)}
+    spans = load(path)
+    b = breakdown(spans, "attention0", "expert0", batch)
+    return {"batch": batch, "new_tokens": new_tokens, **b.to_json(), "tok_per_s_from_steps": round(batch / b.step_ms * 1e3),
+            "idle_beside": idle_beside(spans, "attention0", "expert0", batch)}
 
 
 def main() -> None:
@@ -72,6 +75,11 @@ def main() -> None:
     print(f"{'batch':>6} " + " ".join(f"{title:>17}" for _, title in COLUMNS))
     for r in rows:
         print(f"{r['batch']:>6} " + " ".join(f"{r[k]:>17.2f}" for k, _ in COLUMNS))
+    print("who waits on whom: each worker's time outside its spans, by what the other did meanwhile "
+          "(ms per decode step; idle: both)")
+    for r in rows:
+        for w, split in r["idle_beside"].items():
+            print(f"{r['batch']:>6} {w:>10} idle beside: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

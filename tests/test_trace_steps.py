@@ -2,7 +2,7 @@
 
 import pytest
 
-from afdserve.runtime.trace_steps import breakdown, decode_windows
+from afdserve.runtime.trace_steps import breakdown, decode_windows, idle_beside
 
 
 def _span(name, ts, dur, **args):
@@ -45,3 +45,16 @@ def test_a_decode_step_that_overlaps_another_lanes_prefill_is_left_out():
     # 15 ms for 8 tokens; only the two attention spans inside it
     assert b.steps == 2 and b.step_ms == pytest.approx(15) and b.attention_layers_ms == pytest.approx(4)
     assert b.expert_idle_ms == pytest.approx(15)
+
+
+def test_who_waits_on_whom():
+    """One decode step of 8 tokens over 0..10 ms. Attention: layer 0..2, send 2..3, finish 8..10;
+    expert: idle span 0..3 (not work), MoE 3..7, send 7..7.5."""
+    att = [_span("step", 0, 10, tokens=8), _span("attention", 0, 2, layer=0), _span("send", 2, 1),
+           _span("engine", 8, 2, phase="finish")]
+    exp = [_span("idle", 0, 3), _span("expert", 3, 4, layer=0), _span("send", 7, 0.5)]
+    got = idle_beside({"attention0": att, "expert0": exp}, "attention0", "expert0", batch=8)
+    # the attention worker waits 3..8: the expert computes 3..7, sends 7..7.5, and both idle 7.5..8
+    assert got["attention0"] == pytest.approx({"moe": 4, "send": 0.5, "idle": 0.5})
+    # the expert waits 0..3 and 7.5..10: the attention layer, its send, both idle 7.5..8, the finish
+    assert got["expert0"] == pytest.approx({"layers": 2, "send": 1, "idle": 0.5, "engine finish": 2})

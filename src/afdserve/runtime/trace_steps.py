@@ -86,3 +86,55 @@ def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: 
                          send * per_step, engine * per_step, max(0.0, window - att_spans) * per_step,
                          e_moe * per_step, e_lm * per_step, e_send * per_step,
                          max(0.0, window - e_moe - e_lm - e_send) * per_step)
+
+
+def _kind(span: dict) -> str:
+    """A span's kind for ``idle_beside``: its name, with the phase or engine part where it has one."""
+    a = span.get("args", {})
+    if span["name"] == "engine":
+        return f"engine {a.get('phase', '')}".strip()
+    if span["name"] in ("attention", "expert"):
+        return {"attention": "layers", "expert": "moe"}[span["name"]] if "phase" not in a else a["phase"]
+    return span["name"]
+
+
+def _gaps(busy: list[dict], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The stretches of ``windows`` that no span of ``busy`` covers."""
+    out = []
+    for lo, hi in windows:
+        t = lo
+        for s in sorted(busy, key=lambda s: s["ts"]):
+            a, b = max(s["ts"], lo), min(s["ts"] + s["dur"], hi)
+            if b <= a:
+                continue
+            if a > t:
+                out.append((t, a))
+            t = max(t, b)
+        if hi > t:
+            out.append((t, hi))
+    return out
+
+
+def idle_beside(spans: dict[str, list[dict]], attention: str, expert: str, batch: int) -> dict[str, dict[str, float]]:
+    """Who waits on whom in the decode windows of ``breakdown``: for each of the two workers, its
+    time outside any compute or send span, split by what the other worker did meanwhile (its span
+    kinds; ``idle`` where it was idle too), in ms per ``batch`` tokens."""
+    mine = {attention: spans[attention]}
+    steps, windows = decode_steps(mine, batch), decode_windows(mine, batch)
+    if not steps:
+        raise ValueError(f"no decode step of at most {batch} tokens in the trace of {attention}")
+    per_step = batch / sum(s["args"]["tokens"] for s in steps) / 1e3
+    busy = {w: [s for s in spans[w] if s["name"] not in ("step", "idle")] for w in (attention, expert)}
+    out = {}
+    for me, other in ((attention, expert), (expert, attention)):
+        split: dict[str, float] = {}
+        for lo, hi in _gaps(busy[me], windows):
+            covered = 0.0
+            for s in busy[other]:
+                o = min(hi, s["ts"] + s["dur"]) - max(lo, s["ts"])
+                if o > 0:
+                    split[_kind(s)] = split.get(_kind(s), 0.0) + o
+                    covered += o
+            split["idle"] = split.get("idle", 0.0) + max(0.0, hi - lo - covered)
+        out[me] = {k: round(v * per_step, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
+    return out
