@@ -76,3 +76,23 @@ def test_attention_inputs_that_fused_cuda_kernels_misread_are_recognised():
     assert _rows_aligned(x) and _rows_aligned(torch.randn(3, 1, 5, 16))  # size-1 dims' strides do not count
     assert not _rows_aligned(k) and not _rows_aligned(v)  # 10 floats a row; v starts 10 floats in
     assert not _rows_aligned(torch.randn(5, 26))  # 104-byte rows
+
+
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_decode_keys_from_block_tables_match_each_sequences_own_slots(window):
+    """``decode_kv`` (whole-batch operations over the block tables) against each sequence's slots
+    taken one by one: blocks scattered, released ones (-1) before the window, mixed with a prefill."""
+    g = torch.Generator().manual_seed(window)
+    bs, lens, qlens = 4, [1, 7, 30, 13, 2], [1, 1, 6, 1, 1]
+    blocks = torch.randperm(64, generator=g).tolist()
+    tables = [[blocks.pop() for _ in range(-(-n // bs))] for n in lens]
+    if window:  # blocks wholly before the window were given back
+        tables = [[-1 if (j + 1) * bs <= n - window else b for j, b in enumerate(t)] for t, n in zip(tables, lens)]
+    meta = AttnMetadata.from_blocks(qlens, lens, tables, bs)
+    slots, mask = meta.decode_kv(window)
+    for row, i in enumerate(meta.decode_seqs.tolist()):
+        n = lens[i]
+        own = [tables[i][p // bs] * bs + p % bs for p in range(max(0, n - window) if window else 0, n)]
+        assert mask[row, 0, 0].sum() == len(own)
+        assert slots[row, : len(own)].tolist() == own
+        assert set(slots[row, len(own):].tolist()) <= {own[-1]}  # padded with its own last slot (masked)

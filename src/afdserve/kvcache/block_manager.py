@@ -31,7 +31,9 @@ def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """The cache slot of every position of block tables [..., B] (a -1 block gives -1 slots):
     [..., B * block_size] int64."""
     t = tables.to(torch.int64)[..., None]
-    return torch.where(t >= 0, t * block_size + torch.arange(block_size, device=t.device), -1).flatten(-2)
+    out = t * block_size + torch.arange(block_size, device=t.device)
+    # masked_fill_, not torch.where: where broadcasting the mask is ~9x slower on the CPU (step_metadata.py)
+    return out.masked_fill_((t < 0).expand_as(out), -1).flatten(-2)
 
 
 @dataclass

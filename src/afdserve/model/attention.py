@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from afdserve import kernels
@@ -116,17 +117,23 @@ class AttnMetadata:
 
     def decode_kv(self, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys of the decode sequences through a ``window`` (0: all): padded slots [S, L] and
-        the mask [S, 1, 1, L] (True where attended). Computed once per window and step."""
+        the mask [S, 1, 1, L] (True where attended). Computed once per window and step, from the
+        block tables in a few whole-batch operations where there are tables."""
         if window not in self._decode_kv:
-            seqs = self.decode_seqs.tolist()
-            lens = [self.kv_lens[i] for i in seqs]
-            starts = [max(0, n - window) if window else 0 for n in lens]
-            padded = torch.nn.utils.rnn.pad_sequence([self.kv_slots[i][a:n] for i, a, n in zip(seqs, starts, lens)],
-                                                     batch_first=True)
-            kept = torch.tensor([n - a for a, n in zip(starts, lens)], device=padded.device)
-            # padded with each sequence's own last slot (masked): never a slot of a block it gave back
-            cols = torch.arange(padded.shape[1], device=padded.device)[None, :]
-            slots = padded.gather(1, torch.minimum(cols, kept[:, None] - 1))
+            seqs = self.decode_seqs
+            lens = torch.tensor(self.kv_lens, dtype=torch.int64, device=seqs.device)[seqs]
+            starts = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+            kept = lens - starts
+            cols = torch.arange(int(kept.max()), device=seqs.device)[None, :]
+            # padded with each sequence's own last position (masked): never a slot of a block it gave back
+            pos = starts[:, None] + torch.minimum(cols, kept[:, None] - 1)
+            if self.block_tables is not None:
+                table = block_slots(self.block_tables[seqs], self.block_size)
+            else:
+                width = max(len(s) for s in self.kv_slots)
+                table = torch.stack([F.pad(self.kv_slots[i], (0, width - len(self.kv_slots[i])), value=-1)
+                                     for i in seqs.tolist()])
+            slots = table.gather(1, pos)
             mask = (cols < kept[:, None])[:, None, None, :]
             self._decode_kv[window] = (slots, mask)
         return self._decode_kv[window]
@@ -143,6 +150,9 @@ class AttnMetadata:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return AttnMetadata(move(self.positions), move(self.slot_mapping), self.query_lens, self.kv_lens,
                             self.block_size, move(self.block_tables), move(self.decode_rows), move(self.decode_seqs),
+                            # a decode batch reads its keys through decode_kv; kv_slots (for prefills)
+                            # are derived on the device from the tables if ever asked for
+                            None if self.is_decode and self.block_tables is not None else
                             [move(s) for s in self.kv_slots],
                             {w: (move(a), move(b)) for w, (a, b) in self._decode_kv.items()},
                             (move(self._lens[0]), move(self._lens[1])))
