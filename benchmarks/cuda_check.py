@@ -99,8 +99,8 @@ def checkpoint(root: Path, arch: str) -> Path:
     path = root / arch
     if arch.startswith("deepseek"):
         return tm.make_deepseek_checkpoint(path, int(arch[-1]))
-    if arch == "gpt_oss":
-        return tm.make_gpt_oss_checkpoint(path)
+    if arch == "gpt_oss":  # gpt-oss's own clamp: transformers before 5.18 ignores the config's swiglu_limit
+        return tm.make_gpt_oss_checkpoint(path, swiglu_limit=7.0)
     return tm.make_checkpoint(path, arch)
 
 
