@@ -256,8 +256,7 @@ class AttentionPart(nn.Module):
         Lq = heads per key head, ``gqa`` False): the same attention, and several times faster on
         CPU than ``enable_gqa``."""
         if self.sinks is None:
-            return sdpa(q, keys, vals, attn_mask=mask, is_causal=mask is None,
-                                                  scale=self.scale, enable_gqa=gqa)
+            return sdpa(q, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
         b, hq, lq, _ = q.shape
         if mask is None:
             mask = torch.ones(lq, keys.shape[2], dtype=torch.bool, device=q.device).tril()
@@ -267,7 +266,7 @@ class AttentionPart(nn.Module):
                           self.sinks.to(q.dtype).view(1, hq, -1, 1).expand(b, hq, lq, 1)], dim=-1)
         zero = keys.new_zeros(b, keys.shape[1], 1, keys.shape[3])
         return sdpa(q, torch.cat([keys, zero], 2), torch.cat([vals, zero], 2),
-                                              attn_mask=bias, scale=self.scale, enable_gqa=gqa)
+                    attn_mask=bias, scale=self.scale, enable_gqa=gqa)
 
     def paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
               tables: torch.Tensor, kv_lens: torch.Tensor, cu_q: torch.Tensor, block_size: int, k_cache: torch.Tensor,

@@ -143,8 +143,8 @@ class MLAPart(nn.Module):
             e = s + self.DECODE_CHUNK
             keys = cache[meta.decode_slots[s:e]][:, None]  # [S, 1, L, r + rope]: one key head
             # the heads as the queries of that one key head (faster on CPU than enable_gqa)
-            o = sdpa(q[s:e, None], keys, keys[..., : m.kv_lora_rank],
-                                               attn_mask=meta.decode_mask[s:e], scale=m.softmax_scale)
+            o = sdpa(q[s:e, None], keys, keys[..., : m.kv_lora_rank], attn_mask=meta.decode_mask[s:e],
+                     scale=m.softmax_scale)
             outs.append(o[:, 0])
         lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, nh, r]
         return torch.einsum("snr,nvr->snv", lat, w_uv)
