@@ -78,3 +78,36 @@ def test_errors_and_dropped_requests(tmp_path):
     assert stopped == [] and [o.request_id for o in outs] == ["a"]
     assert outs[0].error == "boom" and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
     assert not proc.live
+
+
+def test_final_only_gives_one_output_the_cumulative_ones_last(tmp_path):
+    """``output_kind="final_only"`` (what ``LLM.generate`` asks for): nothing per step, then the
+    same output that ``cumulative`` gives last; a stop string and an error still come out."""
+    proc, tok = _processor(tmp_path)
+    ids = _ids(tok, "hello world, this is text")
+    proc.add("c", "p", [1, 2], SamplingParams(max_tokens=64))
+    proc.add("f", "p", [1, 2], SamplingParams(max_tokens=64, output_kind="final_only"))
+    got = {"c": [], "f": []}
+    for i, t in enumerate(ids):
+        fin = "length" if i == len(ids) - 1 else None
+        outs, _ = proc.process([TokenOutput("c", [t], fin), TokenOutput("f", [t], fin)])
+        for o in outs:
+            got[o.request_id].append(o)
+    assert len(got["c"]) == len(ids) and len(got["f"]) == 1
+    c, f = got["c"][-1], got["f"][0]
+    assert f.finished and f.outputs == c.outputs and f.outputs[0].text == tok.tokenizer.decode(ids)
+    proc.add("s", None, [1], SamplingParams(max_tokens=64, stop=["three"], output_kind="final_only"))
+    outs, stopped = proc.process([TokenOutput("s", [t]) for t in _ids(tok, "one two three four")])
+    assert stopped == ["s"] and len(outs) == 1 and outs[0].outputs[0].text == "one two "
+    proc.add("e", None, [1], SamplingParams(output_kind="final_only"))
+    (o,), _ = proc.process([TokenOutput("e", [5], error="worker failure: boom")])
+    assert o.error == "worker failure: boom"
+
+
+def test_an_unknown_output_kind_is_refused():
+    import pytest
+
+    from afdserve.errors import RequestError
+
+    with pytest.raises(RequestError, match="output_kind"):
+        SamplingParams(output_kind="delta")

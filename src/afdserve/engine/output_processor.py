@@ -47,6 +47,7 @@ class _Request:
     error: str | None = None
     num_cached_tokens: int | None = None
     prefill: PrefillProgress | None = None
+    final_only: bool = False  # one output, when it finishes (SamplingParams.output_kind)
 
     def progress(self, o: TokenOutput) -> None:
         """Takes in the prefill's progress: the first report of cached tokens, and positions done,
@@ -84,7 +85,8 @@ class OutputProcessor:
         seqs = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                           logprobs=[] if params.logprobs is not None else None,
                           cumulative_logprob=0.0 if params.logprobs is not None else None) for _ in engine]
-        self.live[request_id] = _Request(prompt, prompt_token_ids, list(params.stop or []), seqs, [e for e, _ in engine])
+        self.live[request_id] = _Request(prompt, prompt_token_ids, list(params.stop or []), seqs, [e for e, _ in engine],
+                                         final_only=params.output_kind == "final_only")
         for i, (eid, _) in enumerate(engine):
             self._seq_of[eid] = (request_id, i)
         return engine
@@ -131,10 +133,13 @@ class OutputProcessor:
                 r.error = o.error
         outputs = []
         for rid, r in changed.items():
+            finished = r.finished
+            if r.final_only and not finished and r.error is None:
+                continue  # building an output per step is most of this loop's cost, for nobody
             outputs.append(RequestOutput(rid, r.prompt, r.prompt_token_ids, [s.output(i) for i, s in enumerate(r.seqs)],
-                                         finished=r.finished, error=r.error, prompt_logprobs=r.prompt_logprobs,
+                                         finished=finished, error=r.error, prompt_logprobs=r.prompt_logprobs,
                                          num_cached_tokens=r.num_cached_tokens, prefill=r.prefill))
-            if r.finished:
+            if finished:
                 self.drop(rid)
         return outputs, stopped
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from afdserve.errors import RequestError
 
 MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs)
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class SamplingParams:
     logprobs: int | None = None  # log-probability of each sampled token and of this many top alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     structured_outputs: StructuredOutputsParams | None = None
+    # "cumulative": an output every step, with everything so far (streaming); "final_only": one output,
+    # when the request finishes (vLLM's RequestOutputKind; LLM.generate asks for it)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +108,8 @@ class SamplingParams:
             if any(not is_int(t) or t < 0 or not finite(b) for t, b in self.logit_bias.items()):
                 raise RequestError("logit_bias maps token ids (integers >= 0) to finite numbers")
             self.logit_bias = {int(t): max(-100.0, min(100.0, float(b))) for t, b in self.logit_bias.items()}
+        if self.output_kind not in OUTPUT_KINDS:
+            raise RequestError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 

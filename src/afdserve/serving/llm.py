@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from afdserve.cluster import build_client
@@ -39,6 +40,8 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # only the final outputs are returned: none is built per step (as vLLM's LLM does)
+        params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
         for p in prompts:  # validate everything before anything is queued
             self.engine.tokenize(p)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
