@@ -10,6 +10,8 @@
    paged KV cache), in GB/s of KV cache and weights read, beside a device-to-device copy measured here.
 5. ``speed``: bf16 decode tok/s of the demo model's shapes (random weights) at batch 1, 64 and 256:
    transformers, afdserve colocated and afdserve 1 + 1 (m = 2), in alternating rounds, medians.
+6. ``profile``: ``torch.profiler`` over one colocated generate at the largest batch: wall time, GPU
+   kernel time, host syncs, the operators with the most self CPU and self CUDA time.
 
 Each section prints its table and the whole result goes to ``--json``; a failing section prints
 its traceback and the others still run. Needs a CUDA device and transformers.
@@ -291,6 +293,48 @@ def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, roun
     return {"tok_s": res, "runs": times, "agreement": agree}
 
 
+def profile(root: Path, tokenizer: Path, batch: int, new_tokens: int) -> dict:
+    """Where a colocated bf16 decode's time goes on CUDA: ``torch.profiler`` over one ``generate``
+    of ``batch`` prompts (after a warm-up): wall time, the time kernels kept the GPU busy, the host
+    syncs, and the operators with the most self CPU and self CUDA time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from afdserve import LLM, SamplingParams
+
+    path = demo_checkpoint(root, tokenizer)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": p} for p in torch.randint(3, 32000, (batch, 32), generator=gen).tolist()]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=32 + new_tokens + 16,
+             max_num_batched_tokens=max(2048, batch * 48), startup_timeout_s=120) as llm:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    cuda_us = sum(e.self_device_time_total for e in events)  # kernel and copy time (a lower bound on busy)
+    syncs = {e.key: e.count for e in events if any(k in e.key for k in ("Synchronize", "cudaMemcpy", "item", "nonzero"))}
+    top = lambda key: [(e.key[:60], round(getattr(e, key) / 1e3, 2), e.count)  # noqa: E731
+                       for e in sorted(events, key=lambda e: -getattr(e, key))[:12]]
+    ops_cpu_us = sum(e.self_cpu_time_total for e in events)  # inside operators; the rest of the wall is Python
+    res = {"batch": batch, "new_tokens": new_tokens, "wall_ms": wall * 1e3, "gpu_busy_ms": cuda_us / 1e3,
+           "operators_cpu_ms": ops_cpu_us / 1e3,
+           "syncs_and_copies": syncs, "top_self_cpu_ms": top("self_cpu_time_total"),
+           "top_self_cuda_ms": top("self_device_time_total")}
+    print(f"  batch {batch}, {new_tokens} new tokens: wall {wall * 1e3:,.0f} ms, GPU kernels {cuda_us / 1e3:,.0f} ms, "
+          f"host inside operators {ops_cpu_us / 1e3:,.0f} ms (the rest: Python)")
+    print("  syncs and copies:", syncs)
+    for name, rows in (("self CPU", res["top_self_cpu_ms"]), ("self CUDA", res["top_self_cuda_ms"])):
+        print(f"  top {name} (ms, calls):")
+        for k, ms, n in rows:
+            print(f"    {k:60s} {ms:10.2f} {n:8d}")
+    return res
+
+
 def run_unit(sec: str, a: argparse.Namespace, root: Path) -> object:
     if sec == "probe":
         return probe()
@@ -300,6 +344,8 @@ def run_unit(sec: str, a: argparse.Namespace, root: Path) -> object:
         return gemm()
     if sec == "attention":
         return attention()
+    if sec == "profile":
+        return profile(root, Path(a.tokenizer), max(int(b) for b in a.batches.split(",")), a.new_tokens)
     if sec == "speed":
         return speed(root, Path(a.tokenizer), [int(b) for b in a.batches.split(",")], a.new_tokens, a.rounds)
     raise SystemExit(f"cuda_check: unknown section {sec!r}")
@@ -307,7 +353,7 @@ def run_unit(sec: str, a: argparse.Namespace, root: Path) -> object:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="probe,identity,gemm,attention,speed")
+    ap.add_argument("--sections", default="probe,identity,gemm,attention,speed,profile")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--new-tokens", type=int, default=64)
