@@ -11,6 +11,9 @@ worker's outside its compute and sends is ``idle``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 
@@ -98,15 +101,31 @@ def _kind(span: dict) -> str:
     return span["name"]
 
 
-def _gaps(busy: list[dict], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+class _Spans:
+    """Spans sorted by start, with the running maximum of their ends, so that the spans that overlap
+    a stretch are found by bisection instead of a pass over all of them."""
+
+    def __init__(self, spans: list[dict]):
+        self.spans = sorted(spans, key=lambda s: s["ts"])
+        self.reach = list(itertools.accumulate((s["ts"] + s["dur"] for s in self.spans), max))
+
+    def overlapping(self, lo: float, hi: float) -> Iterator[tuple[dict, float, float]]:
+        """(span, start, end) of each span that overlaps ``[lo, hi)``, clipped to it."""
+        for k in range(bisect.bisect_right(self.reach, lo), len(self.spans)):
+            s = self.spans[k]
+            if s["ts"] >= hi:
+                return
+            a, b = max(s["ts"], lo), min(s["ts"] + s["dur"], hi)
+            if b > a:
+                yield s, a, b
+
+
+def _gaps(busy: _Spans, windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The stretches of ``windows`` that no span of ``busy`` covers."""
     out = []
     for lo, hi in windows:
         t = lo
-        for s in sorted(busy, key=lambda s: s["ts"]):
-            a, b = max(s["ts"], lo), min(s["ts"] + s["dur"], hi)
-            if b <= a:
-                continue
+        for _, a, b in busy.overlapping(lo, hi):
             if a > t:
                 out.append((t, a))
             t = max(t, b)
@@ -124,17 +143,15 @@ def idle_beside(spans: dict[str, list[dict]], attention: str, expert: str, batch
     if not steps:
         raise ValueError(f"no decode step of at most {batch} tokens in the trace of {attention}")
     per_step = batch / sum(s["args"]["tokens"] for s in steps) / 1e3
-    busy = {w: [s for s in spans[w] if s["name"] not in ("step", "idle")] for w in (attention, expert)}
+    busy = {w: _Spans([s for s in spans[w] if s["name"] not in ("step", "idle")]) for w in (attention, expert)}
     out = {}
     for me, other in ((attention, expert), (expert, attention)):
         split: dict[str, float] = {}
         for lo, hi in _gaps(busy[me], windows):
             covered = 0.0
-            for s in busy[other]:
-                o = min(hi, s["ts"] + s["dur"]) - max(lo, s["ts"])
-                if o > 0:
-                    split[_kind(s)] = split.get(_kind(s), 0.0) + o
-                    covered += o
+            for s, a, b in busy[other].overlapping(lo, hi):
+                split[_kind(s)] = split.get(_kind(s), 0.0) + (b - a)
+                covered += b - a
             split["idle"] = split.get("idle", 0.0) + max(0.0, hi - lo - covered)
         out[me] = {k: round(v * per_step, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
     return out
