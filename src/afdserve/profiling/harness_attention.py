@@ -57,8 +57,7 @@ def measure_attention(
             state["n"] += 1
             d = state["flight"]
             if d is not None:
-                while not d.complete:
-                    runner.poll(runner.timeout)
+                runner.wait(d)
                 runner.combine(d)
             h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
             state["flight"] = runner.dispatch(0, 0, lyr, h, y, ids, w)

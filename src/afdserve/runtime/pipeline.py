@@ -195,11 +195,16 @@ class PipelinedRunner:
         try:
             d = next(run)
             while True:
-                while d is not None and not d.complete:
-                    self.poll(self.timeout)
+                if d is not None:
+                    self.wait(d)
                 d = run.send(None)
         except StopIteration as stop:
             return stop.value
+
+    def wait(self, d: Dispatch) -> None:
+        """Takes replies until ``d`` is complete (PeerTimeoutError past its deadline)."""
+        while not d.complete:
+            self.poll(self.timeout)
 
     # ---- one lane's step --------------------------------------------------------------------------
     def run(self, lane: int, step: int, input_ids: torch.Tensor, meta: AttnMetadata,
