@@ -4,6 +4,7 @@ the worker's error, nothing hangs, and the deployment serves the next requests.
 
 The faults are planted in the worker processes only, by a ``sitecustomize`` on their PYTHONPATH."""
 
+import os
 import textwrap
 import time
 
@@ -40,7 +41,7 @@ PLANT = textwrap.dedent("""
 @pytest.fixture
 def planted(tmp_path, monkeypatch):
     (tmp_path / "sitecustomize.py").write_text(PLANT)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("AFD_TEST_POISON", str(POISON))
     monkeypatch.setenv("AFD_TEST_EXPERT_FLAG", str(tmp_path / "expert_fault"))
     return tmp_path / "expert_fault"

@@ -1,10 +1,13 @@
 """The front end's output processing: token ids from the engine in, text, stop strings and
 vLLM-shaped outputs out; a stop string finishes a request and asks the engine to abort it."""
 
+import pytest
+
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.output_processor import OutputProcessor
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.tokenizer import load_tokenizer
+from afdserve.errors import RequestError
 from tiny_models import write_tokenizer
 
 
@@ -105,9 +108,5 @@ def test_final_only_gives_one_output_the_cumulative_ones_last(tmp_path):
 
 
 def test_an_unknown_output_kind_is_refused():
-    import pytest
-
-    from afdserve.errors import RequestError
-
     with pytest.raises(RequestError, match="output_kind"):
         SamplingParams(output_kind="delta")
