@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models: the test checkpoints
+import tiny_models as tm  # noqa: E402
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
@@ -72,20 +73,6 @@ def probe() -> dict:
     return out
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], n: int, device: str) -> list[list[int]]:
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
-        outs.append(g[0, len(p):].tolist())
-    del model
-    return outs
-
-
 def afd_greedy(path: Path, prompts: list[list[int]], n: int, dtype: str = "float32", **kw) -> list[list[int]]:
     from afdserve import LLM, SamplingParams
 
@@ -96,8 +83,6 @@ def afd_greedy(path: Path, prompts: list[list[int]], n: int, dtype: str = "float
 
 
 def checkpoint(root: Path, arch: str) -> Path:
-    import tiny_models as tm
-
     path = root / arch
     if arch.startswith("deepseek"):
         return tm.make_deepseek_checkpoint(path, int(arch[-1]))
@@ -123,11 +108,11 @@ def identity(root: Path, archs: list[str]) -> dict:
                 got[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         row = {"reference": "transformers float32 on CUDA"}
         try:
-            want = hf_greedy(path, prompts, 16, "cuda")
+            want = tm.hf_greedy(path, prompts, 16, device="cuda")
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             row["reference"] = f"transformers float32 on the CPU (on CUDA: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
-            want = hf_greedy(path, prompts, 16, "cpu")
+            want = tm.hf_greedy(path, prompts, 16)
         for name, out in got.items():
             if isinstance(out, str):
                 row[name] = out

@@ -104,14 +104,14 @@ def generate_losing(llm, prompts, params, victim: str, fault: str) -> list[list[
     return result["out"]
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, EOS included
     outs = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                            do_sample=False, pad_token_id=0)
         outs.append(g[0, len(p):].tolist())
