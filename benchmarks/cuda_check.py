@@ -10,7 +10,7 @@
    paged KV cache), in GB/s of KV cache and weights read, beside a device-to-device copy measured here.
 5. ``speed``: bf16 decode tok/s of the demo model's shapes (random weights) at batch 1, 64 and 256:
    transformers, afdserve colocated and afdserve 1 + 1 (m = 2), in alternating rounds, medians.
-6. ``profile``: ``torch.profiler`` over one colocated generate at the largest batch: wall time, GPU
+6. ``profile``: ``torch.profiler`` and cProfile over colocated generates at the largest batch: wall time, GPU
    kernel time, host syncs, the operators with the most self CPU and self CUDA time.
 
 Each section prints its table and the whole result goes to ``--json``; a failing section prints
@@ -20,8 +20,10 @@ its traceback and the others still run. Needs a CUDA device and transformers.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -300,6 +302,13 @@ def profile(root: Path, tokenizer: Path, batch: int, new_tokens: int) -> dict:
             llm.generate(prompts, params)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+        with cProfile.Profile() as cprof:  # the Python side: which functions the host spends the step in
+            llm.generate(prompts, params)
+            torch.cuda.synchronize()
+    stats = pstats.Stats(cprof)
+    py_top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # (file, line, fn) -> (cc, nc, tt, ct, ..)
+    py_rows = [(f"{Path(k[0]).name}:{k[1]} {k[2]}"[:70], round(v[2] * 1e3, 1), round(v[3] * 1e3, 1), v[1])
+               for k, v in py_top]
     events = prof.key_averages()
     cuda_us = sum(e.self_device_time_total for e in events)  # kernel and copy time (a lower bound on busy)
     syncs = {e.key: e.count for e in events if any(k in e.key for k in ("Synchronize", "cudaMemcpy", "item", "nonzero"))}
@@ -309,7 +318,7 @@ def profile(root: Path, tokenizer: Path, batch: int, new_tokens: int) -> dict:
     res = {"batch": batch, "new_tokens": new_tokens, "wall_ms": wall * 1e3, "gpu_busy_ms": cuda_us / 1e3,
            "operators_cpu_ms": ops_cpu_us / 1e3,
            "syncs_and_copies": syncs, "top_self_cpu_ms": top("self_cpu_time_total"),
-           "top_self_cuda_ms": top("self_device_time_total")}
+           "top_self_cuda_ms": top("self_device_time_total"), "python_top_tottime_ms": py_rows}
     print(f"  batch {batch}, {new_tokens} new tokens: wall {wall * 1e3:,.0f} ms, GPU kernels {cuda_us / 1e3:,.0f} ms, "
           f"host inside operators {ops_cpu_us / 1e3:,.0f} ms (the rest: Python)")
     print("  syncs and copies:", syncs)
@@ -317,6 +326,9 @@ def profile(root: Path, tokenizer: Path, batch: int, new_tokens: int) -> dict:
         print(f"  top {name} (ms, calls):")
         for k, ms, n in rows:
             print(f"    {k:60s} {ms:10.2f} {n:8d}")
+    print("  Python (cProfile, another generate): function, own ms, cumulative ms, calls")
+    for k, tt, ct, n in py_rows:
+        print(f"    {k:70s} {tt:9.1f} {ct:9.1f} {n:8d}")
     return res
 
 
