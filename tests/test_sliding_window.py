@@ -149,7 +149,7 @@ def test_windowed_disaggregated(windowed_mixtral, gate):
 def test_decode_and_prefill_keys_stay_in_the_window():
     """Decode rows gather only the window's slots of their own sequence (padding included) and
     prefill masks equal the brute-force window mask."""
-    from afdserve.model.attention import AttnMetadata, prefill_keys
+    from afdserve.model.attention import AttnMetadata
 
     rng = random.Random(3)
     for _ in range(50):
@@ -157,11 +157,12 @@ def test_decode_and_prefill_keys_stay_in_the_window():
         seqs, qlens = [], []
         for s in range(rng.randrange(1, 5)):
             n = rng.randrange(1, 40)
+            q = 1 if rng.random() < 0.6 or n == 1 else rng.randrange(1, n + 1)
             slots = torch.arange(n) + 1000 * (s + 1)
-            released = max(0, n - 1 - window + 1) // 4 * 4  # what block size 4 could have given back
+            released = max(0, n - q - window + 1) // 4 * 4  # what block size 4 could have given back
             slots[:released] = -1
             seqs.append(slots)
-            qlens.append(1 if rng.random() < 0.6 or n == 1 else rng.randrange(1, n + 1))
+            qlens.append(q)
         meta = AttnMetadata.build(qlens, seqs)
         if meta.decode_seqs is not None:
             slots, mask = meta.decode_kv(window)
@@ -170,11 +171,15 @@ def test_decode_and_prefill_keys_stay_in_the_window():
                 own = set(seqs[i][max(0, n - window):].tolist())
                 assert set(slots[row].tolist()) <= own and -1 not in own
                 assert int(mask[row].sum()) == min(n, window)
-        for slots, q in zip(seqs, qlens):
-            n = slots.shape[0]
-            first, m = prefill_keys(n, q, window)
-            qpos, kpos = torch.arange(n - q, n)[:, None], torch.arange(n)[None, :]
-            want = (kpos <= qpos) & (kpos > qpos - window)
-            assert not want[:, :first].any()
-            got = torch.ones(q, n - first, dtype=torch.bool).tril() if m is None else m
-            assert torch.equal(got, want[:, first:])
+        starts = torch.tensor([0, *qlens]).cumsum(0).tolist()
+        for g in meta.prefill_groups(window):
+            for row, i in enumerate(starts.index(int(r)) for r in g.rows[:, 0]):
+                n, q = seqs[i].shape[0], qlens[i]
+                qpos, kpos = torch.arange(n - q, n)[:, None], torch.arange(n)[None, :]
+                want = (kpos <= qpos) & (kpos > qpos - window)  # what each new token attends
+                got = torch.zeros(q, n, dtype=torch.bool)  # what the group's row attends, by position
+                m = torch.ones(q, q, dtype=torch.bool).tril() if g.mask is None else g.mask[row, 0, :q]
+                key_pos = {int(s): j for j, s in enumerate(seqs[i].tolist()) if s >= 0}
+                for c in range(g.slots.shape[1]):
+                    got[:, key_pos[int(g.slots[row, c])]] |= m[:, c]  # never a released (-1) slot
+                assert torch.equal(got, want)

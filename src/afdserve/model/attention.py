@@ -16,6 +16,7 @@ from afdserve.kvcache.block_manager import block_slots
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm, sdpa
 from afdserve.model.linear import Linear
+from afdserve.model.prefill_groups import PrefillGroup, SlotSource, plan
 from afdserve.model.rope import apply_rotary
 
 
@@ -42,6 +43,7 @@ class AttnMetadata:
     _kv_slots: list[torch.Tensor] | None = field(default=None, repr=False)
     _decode_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _prefill: dict[int, list[PrefillGroup]] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -138,24 +140,41 @@ class AttnMetadata:
             self._decode_kv[window] = (slots, mask)
         return self._decode_kv[window]
 
+    def prefill_groups(self, window: int = 0) -> list[PrefillGroup]:
+        """The prefill pieces (sequences with more than one new token) through a ``window`` (0: all
+        keys), grouped into padded attention calls (``afdserve.model.prefill_groups``); built on
+        the host once per window and step."""
+        if window not in self._prefill:
+            if self.block_tables is not None:
+                src = SlotSource(self.block_tables.cpu().numpy(), self.block_size)
+            else:
+                src = SlotSource(per_seq=self.kv_slots)
+            groups = plan(self.query_lens, self.kv_lens, src, window)
+            dev = self.positions.device
+            self._prefill[window] = [g.to(dev) for g in groups] if dev.type != "cpu" else groups
+        return self._prefill[window]
+
     def to(self, device: torch.device, windows: tuple[int, ...] = (0,)) -> "AttnMetadata":
-        """This metadata with its tensors on ``device`` (itself on the CPU). The decode keys of
-        ``windows`` are prepared here first, so no step reads anything back from the device."""
+        """This metadata with its tensors on ``device`` (itself on the CPU). The decode keys and
+        prefill groups of ``windows`` are prepared here first, so no step reads anything back from
+        the device."""
         if device.type == "cpu":
             return self
-        if self.decode_seqs is not None:
-            for w in windows:
+        for w in windows:
+            if self.decode_seqs is not None:
                 self.decode_kv(w)
+            if not self.is_decode:
+                self.prefill_groups(w)
         self.lens()
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return AttnMetadata(move(self.positions), move(self.slot_mapping), self.query_lens, self.kv_lens,
                             self.block_size, move(self.block_tables), move(self.decode_rows), move(self.decode_seqs),
-                            # a decode batch reads its keys through decode_kv; kv_slots (for prefills)
-                            # are derived on the device from the tables if ever asked for
-                            None if self.is_decode and self.block_tables is not None else
-                            [move(s) for s in self.kv_slots],
+                            # decodes read their keys through decode_kv, prefills through their groups;
+                            # kv_slots are derived on the device from the tables if ever asked for
+                            None if self.block_tables is not None else [move(s) for s in self.kv_slots],
                             {w: (move(a), move(b)) for w, (a, b) in self._decode_kv.items()},
-                            (move(self._lens[0]), move(self._lens[1])))
+                            (move(self._lens[0]), move(self._lens[1])),
+                            {w: [g.to(device) for g in gs] for w, gs in self._prefill.items()})
 
     @property
     def is_decode(self) -> bool:
@@ -169,22 +188,6 @@ class AttnMetadata:
     @property
     def decode_mask(self) -> torch.Tensor:
         return self.decode_kv(0)[1]
-
-
-def prefill_keys(kv_len: int, qlen: int, window: int,
-                 device: torch.device | str = "cpu") -> tuple[int, torch.Tensor | None]:
-    """The first context position a piece of ``qlen`` new tokens (the last of ``kv_len``) attends
-    to through ``window`` (0: all), and its mask [qlen, kv_len - first] (None: plain causal)."""
-    p0 = kv_len - qlen  # position of the first new token
-    first = max(0, p0 - window + 1) if window else 0
-    if first == 0 and qlen == kv_len and (not window or window >= kv_len):
-        return 0, None
-    qpos = torch.arange(p0, kv_len, device=device)[:, None]
-    kpos = torch.arange(first, kv_len, device=device)[None, :]
-    mask = kpos <= qpos
-    if window:
-        mask &= kpos > qpos - window
-    return first, mask
 
 
 class AttentionPart(nn.Module):
@@ -282,22 +285,17 @@ class AttentionPart(nn.Module):
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
-        """The PyTorch path: the decode rows in one SDPA call, each prefill piece in one of its own."""
+        """The PyTorch path: the decode rows in one SDPA call, the prefill pieces in one call per
+        group of similar lengths (``AttnMetadata.prefill_groups``)."""
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, *meta.decode_kv(self.window))
-        start = 0
-        for qlen, slots in zip(meta.query_lens, meta.kv_slots):
-            if qlen == 1:
-                start += 1
-                continue
-            first, mask = prefill_keys(slots.shape[0], qlen, self.window, q.device)
-            qs = q[start : start + qlen].transpose(0, 1)[None]  # [1, nh, q, hd]
-            keys = k_cache[slots[first:]].transpose(0, 1)[None]
-            vals = v_cache[slots[first:]].transpose(0, 1)[None]
-            o = self._sdpa(qs, keys, vals, mask)
-            out[start : start + qlen] = o[0].transpose(0, 1)
-            start += qlen
+        for g in meta.prefill_groups(self.window):
+            qs = q[g.rows].transpose(1, 2)  # [P, nh, Lq, hd]
+            keys = k_cache[g.slots].transpose(1, 2)  # [P, nkv, Lk, hd]
+            vals = v_cache[g.slots].transpose(1, 2)
+            o = self._sdpa(qs, keys, vals, g.mask)
+            out[g.dst] = o.transpose(1, 2).reshape(-1, *q.shape[1:])[g.src]
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

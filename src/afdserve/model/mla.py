@@ -105,29 +105,23 @@ class MLAPart(nn.Module):
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             out[rows] = self._decode(q_nope[rows], q_pe[rows], cache, meta)
-        start = 0
-        for qlen, slots in zip(meta.query_lens, meta.kv_slots):
-            if qlen > 1:
-                out[start : start + qlen] = self._prefill(q_nope[start : start + qlen], q_pe[start : start + qlen],
-                                                          cache[slots])
-            start += qlen
+        for g in meta.prefill_groups():
+            out[g.dst] = self._prefill(q_nope[g.rows], q_pe[g.rows], cache[g.slots], g.mask).flatten(0, 1)[g.src]
         return out
 
-    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """One sequence's new tokens over its whole context ``latent`` [L, r + rope], expanded."""
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """A group of prefill pieces (``AttnMetadata.prefill_groups``): their new tokens [P, Lq, nh, *]
+        over their contexts ``latent`` [P, Lk, r + rope], expanded; [P, Lq, nh, v_head_dim]."""
         m, nh = self.mla, self.nh
-        qlen, kv_len = q_nope.shape[0], latent.shape[0]
+        p, kv_len = latent.shape[:2]
         c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        k_nope, v = self.kv_b_proj(c).view(kv_len, nh, -1).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(kv_len, nh, m.qk_rope_head_dim)], dim=-1)
+        k_nope, v = self.kv_b_proj(c).view(p, kv_len, nh, -1).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(p, kv_len, nh, m.qk_rope_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        qs, ks, vs = (a.transpose(0, 1)[None] for a in (q, k, v))
-        if qlen == kv_len:
-            o = sdpa(qs, ks, vs, is_causal=True, scale=m.softmax_scale)
-        else:  # new tokens attend to the cached prefix and causally among themselves
-            mask = torch.ones(qlen, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - qlen)
-            o = sdpa(qs, ks, vs, attn_mask=mask, scale=m.softmax_scale)
-        return o[0].transpose(0, 1)
+        qs, ks, vs = (a.transpose(1, 2) for a in (q, k, v))
+        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
+        return o.transpose(1, 2)
 
     DECODE_CHUNK = 32  # sequences per attention call
 

@@ -1,0 +1,106 @@
+"""Prefill pieces of a flat batch attended in a few padded calls instead of one call per sequence.
+
+A batch's prefill pieces (sequences with more than one new token: whole prompts, chunks after a
+cached prefix) are grouped by how many keys they read; each group is one attention call over a
+padded [pieces, new tokens, keys] block with a mask. A piece joins the current group while the
+padded area stays within ``MAX_PADDING`` times the area its pieces really attend, so a long prompt
+beside short ones does not blow the short ones up to its length. Built on the host, once per step
+and window, from the block tables; moved to the device with the rest of the metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_PADDING = 2.0  # padded area / attended area a group may reach
+SMALL_AREA = 1 << 14  # a group this small is padded freely (one call beats two)
+
+
+@dataclass
+class PrefillGroup:
+    """Pieces attended in one call. Padding repeats a piece's last query row and last key slot, so
+    every padded query row has keys to attend (no NaN) and every slot is a live one; the padded
+    rows' outputs are dropped (only ``src`` is read back)."""
+
+    rows: torch.Tensor  # [P, Lq] int64: each piece's query rows in the flat batch
+    slots: torch.Tensor  # [P, Lk] int64: cache slots of the keys each piece reads, from its first one
+    mask: torch.Tensor | None  # [P, 1, Lq, Lk] bool, True where attended; None: all plain causal, Lq == Lk
+    src: torch.Tensor  # [n] int64: the real queries' indices in the flattened [P * Lq] output
+    dst: torch.Tensor  # [n] int64: their rows in the flat batch
+
+    def to(self, device: torch.device) -> "PrefillGroup":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return PrefillGroup(move(self.rows), move(self.slots), move(self.mask), move(self.src), move(self.dst))
+
+
+def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", window: int) -> list[PrefillGroup]:
+    """The groups of the pieces with ``query_lens[i]`` > 1 (their last ``query_lens[i]`` of
+    ``kv_lens[i]`` tokens are new), attending through ``window`` (0: all keys)."""
+    q_all = np.asarray(query_lens, dtype=np.int64)
+    kv_all = np.asarray(kv_lens, dtype=np.int64)
+    start_all = np.cumsum(q_all) - q_all
+    idx = np.flatnonzero(q_all > 1)
+    if idx.size == 0:
+        return []
+    q, kv = q_all[idx], kv_all[idx]
+    first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
+    nk = kv - first
+    order = idx[np.argsort(-nk, kind="stable")]  # most keys first: a group's key length is its first's
+    pos = {int(i): j for j, i in enumerate(idx)}
+    groups, cur, area = [], [], 0
+    for i in order.tolist():
+        j = pos[i]
+        lk = int(nk[pos[cur[0]]]) if cur else int(nk[j])
+        lq = max([int(q[pos[c]]) for c in cur] + [int(q[j])])
+        new_area = area + int(q[j] * nk[j])
+        padded = (len(cur) + 1) * lq * lk
+        if cur and padded > MAX_PADDING * new_area and padded > SMALL_AREA:
+            groups.append(cur)
+            cur, area = [i], int(q[j] * nk[j])
+        else:
+            cur.append(i)
+            area = new_area
+    groups.append(cur)
+    return [_group(np.asarray(g), q_all, kv_all, start_all, slots_of, window) for g in groups]
+
+
+def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np.ndarray,
+           slots_of: "SlotSource", window: int) -> PrefillGroup:
+    q, kv, start = q_all[ids], kv_all[ids], start_all[ids]
+    first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
+    nk = kv - first
+    lq, lk = int(q.max()), int(nk.max())
+    j = np.minimum(np.arange(lq)[None, :], q[:, None] - 1)  # [P, Lq]: padded rows repeat the last query
+    rows = start[:, None] + j
+    qpos = (kv - q)[:, None] + j
+    kpos = first[:, None] + np.minimum(np.arange(lk)[None, :], nk[:, None] - 1)  # [P, Lk]
+    slots = slots_of(ids, kpos)
+    causal = bool(np.all(q == kv) and np.all(q == lq)) and (not window or window >= lq)
+    mask = None
+    if not causal:
+        m = (np.arange(lk)[None, None, :] < nk[:, None, None]) & (kpos[:, None, :] <= qpos[:, :, None])
+        if window:
+            m &= kpos[:, None, :] > qpos[:, :, None] - window
+        mask = torch.from_numpy(m[:, None])
+    real = np.arange(lq)[None, :] < q[:, None]
+    src = np.flatnonzero(real)
+    return PrefillGroup(torch.from_numpy(rows), torch.from_numpy(slots), mask, torch.from_numpy(src),
+                        torch.from_numpy(rows.reshape(-1)[src]))
+
+
+class SlotSource:
+    """Cache slots of given positions of given sequences, from block tables [S, B] or from
+    per-sequence slot lists."""
+
+    def __init__(self, tables: np.ndarray | None = None, block_size: int = 0,
+                 per_seq: list[torch.Tensor] | None = None):
+        self.tables, self.block_size, self.per_seq = tables, block_size, per_seq
+
+    def __call__(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        if self.tables is not None:
+            bs = self.block_size
+            return self.tables[ids[:, None], pos // bs].astype(np.int64) * bs + pos % bs
+        return np.stack([self.per_seq[i].cpu().numpy()[p] for i, p in zip(ids.tolist(), pos)]).astype(np.int64)
