@@ -55,23 +55,29 @@ def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     """Gated MLPs of rows grouped by expert: rows ``[sum(counts[:j]), sum(counts[:j+1]))`` of ``x``
     go through expert j (``w_gate_up[j]`` [2I, H], ``w_down[j]`` [H, I], optional biases
     ``b_gate_up[j]`` [2I], ``b_down[j]`` [H]). One grouped GEMM per projection for all experts
-    (``torch._grouped_mm``), no Python loop over experts."""
+    (``torch._grouped_mm``), no Python loop over experts. Rows past ``sum(counts)`` go through no
+    expert: what they come out as is unspecified."""
     if any(d * x.element_size() % 16 for d in (x.shape[1], w_down.shape[2], w_gate_up.shape[1])):
         # the grouped GEMM needs 16-byte aligned rows: a loop for such (tiny) shapes
-        parts = []
-        for j, rows in enumerate(x.split(counts.tolist())):
+        sizes = counts.tolist()
+        parts = [x.new_zeros(x.shape[0] - sum(sizes), w_down.shape[1])]
+        for j, rows in enumerate(x[: sum(sizes)].split(sizes)):
             gu = rows @ w_gate_up[j].T
             gu = gu if b_gate_up is None else gu + b_gate_up[j]
             out = act(gu) @ w_down[j].T
-            parts.append(out if b_down is None else out + b_down[j])
+            parts.insert(-1, out if b_down is None else out + b_down[j])
         return torch.cat(parts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
+    # each row's bias; the rows past sum(counts), if any, get zeros (all worked out on the device)
+    rest = (x.shape[0] - offs[-1:]).to(counts.dtype)
+    per_row = lambda b: torch.repeat_interleave(torch.cat([b, b.new_zeros(1, b.shape[1])]),  # noqa: E731
+                                                torch.cat([counts, rest]), dim=0, output_size=x.shape[0])
     gu = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=offs)
     if b_gate_up is not None:
-        gu = gu + torch.repeat_interleave(b_gate_up, counts, dim=0, output_size=x.shape[0])
+        gu = gu + per_row(b_gate_up)
     out = torch._grouped_mm(act(gu).contiguous(), w_down.transpose(1, 2), offs=offs)
     if b_down is not None:
-        out = out + torch.repeat_interleave(b_down, counts, dim=0, output_size=x.shape[0])
+        out = out + per_row(b_down)
     return out
 
 
@@ -111,6 +117,10 @@ class ExpertPart(nn.Module):
         out = torch.zeros_like(y)
         k = topk_ids.shape[1]
         local = self.local_index[topk_ids.reshape(-1)]
+        if not self.expert_ids:
+            return out
+        if not packs(y, self.w_gate_up[0]):
+            return out.index_add_(*self._grouped(y, local, k, topk_weights))
         hit = (local >= 0).nonzero().squeeze(1)
         if hit.numel() == 0:
             return out
@@ -118,14 +128,24 @@ class ExpertPart(nn.Module):
         pairs = hit[order]  # flat (token, slot) pairs grouped by expert, experts in held order
         counts = torch.bincount(local[pairs], minlength=len(self.expert_ids))
         tokens = pairs // k
-        x = y[tokens]
-        if packs(x, self.w_gate_up[0]):
-            res = self._packed_swiglu(x, counts)
-        else:
-            res = grouped_swiglu(x, self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
-        res = res * topk_weights.reshape(-1)[pairs, None]
+        res = self._packed_swiglu(y[tokens], counts) * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, res.to(y.dtype))
         return out
+
+    def _grouped(self, y: torch.Tensor, local: torch.Tensor, k: int,
+                 topk_weights: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``grouped_swiglu`` over every (token, slot) pair, sorted by held expert with the pairs
+        routed elsewhere last (through no expert, their rows zeroed): nothing is read back to the
+        host, so a CUDA step keeps its kernels queued. (dim, token rows, weighted outputs) for
+        ``index_add_``."""
+        n = len(self.expert_ids)
+        key = torch.where(local >= 0, local, n)
+        pairs = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=n + 1)[:n]
+        tokens = pairs // k
+        res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
+        res = torch.where((key[pairs] < n)[:, None], res * topk_weights.reshape(-1)[pairs, None], 0)
+        return 0, tokens, res.to(y.dtype)
 
     def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The held experts packed for the fused MoE kernel (made on first use, again after the
