@@ -9,7 +9,8 @@
 4. ``attention``: a decode batch through an attention layer (``AttentionPart.forward`` over the
    paged KV cache), in GB/s of KV cache and weights read, beside a device-to-device copy measured here.
 5. ``speed``: bf16 decode tok/s of the demo model's shapes (random weights) at batch 1, 64 and 256:
-   transformers, afdserve colocated and afdserve 1 + 1 (m = 2), in alternating rounds, medians.
+   transformers, afdserve colocated (with ``--compile`` also colocated with ``compile=True``) and
+   afdserve 1 + 1 (m = 2), in alternating rounds, medians.
 6. ``profile``: ``torch.profiler`` and cProfile over colocated generates at the largest batch: wall time, GPU
    kernel time, host syncs, the operators with the most self CPU and self CUDA time.
 
@@ -216,7 +217,7 @@ def demo_checkpoint(root: Path, tokenizer: Path) -> Path:
     return path
 
 
-def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, rounds: int) -> dict:
+def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, rounds: int, compiled: bool) -> dict:
     import transformers as tf
 
     from afdserve import LLM, SamplingParams
@@ -238,7 +239,10 @@ def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, roun
               max_num_batched_tokens=max(2048, max(batches) * 48), startup_timeout_s=120)
     engines = {"transformers": run_hf}
     llms = []
-    for name, extra in (("afdserve colocated", {}), ("afdserve 1+1 m=2", dict(expert_workers=1, micro_batches=2))):
+    variants = [("afdserve colocated", {}), ("afdserve 1+1 m=2", dict(expert_workers=1, micro_batches=2))]
+    if compiled:  # the attention half of decode steps through torch.compile (compiled in the warm-up round)
+        variants.insert(1, ("afdserve colocated compile", dict(compile=True)))
+    for name, extra in variants:
         try:
             llm = LLM(str(path), **kw, **extra)
         except Exception:  # noqa: BLE001 -- the other engines still run
@@ -344,7 +348,8 @@ def run_unit(sec: str, a: argparse.Namespace, root: Path) -> object:
     if sec == "profile":
         return profile(root, Path(a.tokenizer), max(int(b) for b in a.batches.split(",")), a.new_tokens)
     if sec == "speed":
-        return speed(root, Path(a.tokenizer), [int(b) for b in a.batches.split(",")], a.new_tokens, a.rounds)
+        return speed(root, Path(a.tokenizer), [int(b) for b in a.batches.split(",")], a.new_tokens, a.rounds,
+                     a.compile)
     raise SystemExit(f"cuda_check: unknown section {sec!r}")
 
 
@@ -358,6 +363,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--tokenizer", default=None,
                     help="folder with the demo model's tokenizer.json (default: the demo model, built if needed)")
+    ap.add_argument("--compile", action="store_true", help="speed: also afdserve colocated with compile=True")
     ap.add_argument("--unit-timeout", type=float, default=300.0, help="seconds each unit may take")
     ap.add_argument("--unit", default=None, help=argparse.SUPPRESS)  # one unit, run in its own process
     a = ap.parse_args()
@@ -380,7 +386,7 @@ def main() -> None:
         print(f"== {unit}", flush=True)
         t0 = time.perf_counter()
         argv = [sys.executable, __file__, "--unit", unit, "--tokenizer", a.tokenizer, "--batches", a.batches,
-                "--new-tokens", str(a.new_tokens), "--rounds", str(a.rounds)]
+                "--new-tokens", str(a.new_tokens), "--rounds", str(a.rounds)] + (["--compile"] if a.compile else [])
         # a unit that outlives its time is killed (its workers follow their parent) and reported
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1") if unit.startswith("identity:") else None
         try:

@@ -54,7 +54,8 @@ class ModelRunner:
         if self.tracker is not None:
             self.tracker.step()
         dev = m.device
-        input_ids, meta, rows = input_ids.to(dev), meta.to(dev, m.windows), rows.to(dev)
+        meta = meta.to(dev, m.windows)  # as the step's other inputs: host to device, no waiting
+        input_ids, rows = input_ids.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):

@@ -141,7 +141,9 @@ class ExpertPart(nn.Module):
         n = len(self.expert_ids)
         key = torch.where(local >= 0, local, n)
         pairs = torch.argsort(key, stable=True)
-        counts = torch.bincount(key, minlength=n + 1)[:n]
+        # index_add_, not bincount: CUDA's bincount reads the largest id back to the host
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=y.device).index_add_(
+            0, key, torch.ones_like(key))[:n]
         tokens = pairs // k
         res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
         res = torch.where((key[pairs] < n)[:, None], res * topk_weights.reshape(-1)[pairs, None], 0)

@@ -214,7 +214,8 @@ class PipelinedRunner:
         first (between pieces of the LM head); returns the logits [len(rows), vocab]."""
         m, tr = self.model, self.tracer
         dev = m.device
-        input_ids, rows, meta = input_ids.to(dev), rows.to(dev), meta.to(dev, m.windows)
+        meta = meta.to(dev, m.windows)
+        input_ids, rows = input_ids.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):
