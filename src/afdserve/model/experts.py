@@ -120,7 +120,7 @@ class ExpertPart(nn.Module):
         if not self.expert_ids:
             return out
         if not packs(y, self.w_gate_up[0]):
-            return out.index_add_(*self._grouped(y, local, k, topk_weights))
+            return out.index_add_(0, *self._grouped(y, local, k, topk_weights))
         hit = (local >= 0).nonzero().squeeze(1)
         if hit.numel() == 0:
             return out
@@ -133,10 +133,10 @@ class ExpertPart(nn.Module):
         return out
 
     def _grouped(self, y: torch.Tensor, local: torch.Tensor, k: int,
-                 topk_weights: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+                 topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``grouped_swiglu`` over every (token, slot) pair, sorted by held expert with the pairs
         routed elsewhere last (through no expert, their rows zeroed): nothing is read back to the
-        host, so a CUDA step keeps its kernels queued. (dim, token rows, weighted outputs) for
+        host, so a CUDA step keeps its kernels queued. (token rows, weighted outputs) for
         ``index_add_``."""
         n = len(self.expert_ids)
         key = torch.where(local >= 0, local, n)
@@ -147,7 +147,7 @@ class ExpertPart(nn.Module):
         tokens = pairs // k
         res = grouped_swiglu(y[tokens], self.w_gate_up, self.w_down, counts, self.b_gate_up, self.b_down, self.act)
         res = torch.where((key[pairs] < n)[:, None], res * topk_weights.reshape(-1)[pairs, None], 0)
-        return 0, tokens, res.to(y.dtype)
+        return tokens, res.to(y.dtype)
 
     def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The held experts packed for the fused MoE kernel (made on first use, again after the

@@ -48,21 +48,16 @@ def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", wind
     q, kv = q_all[idx], kv_all[idx]
     first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
     nk = kv - first
-    order = idx[np.argsort(-nk, kind="stable")]  # most keys first: a group's key length is its first's
-    pos = {int(i): j for j, i in enumerate(idx)}
-    groups, cur, area = [], [], 0
-    for i in order.tolist():
-        j = pos[i]
-        lk = int(nk[pos[cur[0]]]) if cur else int(nk[j])
-        lq = max([int(q[pos[c]]) for c in cur] + [int(q[j])])
-        new_area = area + int(q[j] * nk[j])
-        padded = (len(cur) + 1) * lq * lk
-        if cur and padded > MAX_PADDING * new_area and padded > SMALL_AREA:
+    order = np.argsort(-nk, kind="stable")  # most keys first: a group's key length is its first's
+    groups, cur, area, lq, lk = [], [], 0, 0, 0
+    for j in order.tolist():
+        qj, kj = int(q[j]), int(nk[j])
+        padded = (len(cur) + 1) * max(lq, qj) * (lk or kj)
+        if cur and padded > MAX_PADDING * (area + qj * kj) and padded > SMALL_AREA:
             groups.append(cur)
-            cur, area = [i], int(q[j] * nk[j])
-        else:
-            cur.append(i)
-            area = new_area
+            cur, area, lq, lk = [], 0, 0, 0
+        cur.append(int(idx[j]))
+        area, lq, lk = area + qj * kj, max(lq, qj), lk or kj
     groups.append(cur)
     return [_group(np.asarray(g), q_all, kv_all, start_all, slots_of, window) for g in groups]
 
