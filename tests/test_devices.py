@@ -96,3 +96,16 @@ def test_decode_keys_from_block_tables_match_each_sequences_own_slots(window):
         assert mask[row, 0, 0].sum() == len(own)
         assert slots[row, : len(own)].tolist() == own
         assert set(slots[row, len(own):].tolist()) <= {own[-1]}  # padded with its own last slot (masked)
+
+
+def test_rope_frequencies_move_to_the_device_once():
+    """A step's cos/sin on a device read the frequencies there: moved on the first step, not copied
+    host to device (a copy the step waits on) every step. The meta device stands in for a GPU."""
+    from afdserve.model.rope import Rope
+
+    rope = Rope.from_config({"rope_theta": 10000.0}, 8, 64)
+    rope.cos_sin(torch.arange(3, device="meta"), torch.float32)
+    moved = rope.inv_freq
+    assert moved.device.type == "meta"
+    cos, _ = rope.cos_sin(torch.arange(5, device="meta"), torch.float32)
+    assert rope.inv_freq is moved and tuple(cos.shape) == (5, 8)

@@ -154,7 +154,9 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary_dim] of ``positions`` (the attention factor folded in)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if self.inv_freq.device != positions.device:  # moved once: a host-to-device copy a step waits on
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
