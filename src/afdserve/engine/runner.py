@@ -53,9 +53,7 @@ class ModelRunner:
         m = self.model
         if self.tracker is not None:
             self.tracker.step()
-        dev = m.device
-        meta = meta.to(dev, m.windows)  # as the step's other inputs: host to device, no waiting
-        input_ids, rows = input_ids.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
+        input_ids, meta, rows = m.step_inputs(input_ids, meta, rows)
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):

@@ -68,6 +68,14 @@ class AttentionModel(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
 
+    def step_inputs(self, input_ids: torch.Tensor, meta: AttnMetadata,
+                    rows: torch.Tensor) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor]:
+        """A step's host-built inputs on this model's device: the metadata with its keys prepared
+        for every window (``AttnMetadata.to``), the token ids and sampled rows copied without waiting."""
+        dev = self.device
+        meta = meta.to(dev, self.windows)
+        return input_ids.to(dev, non_blocking=True), meta, rows.to(dev, non_blocking=True)
+
     def pre_moe(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 meta: AttnMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention half of a layer: returns (h, y, topk_ids, topk_weights); ids and weights are

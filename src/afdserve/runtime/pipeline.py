@@ -213,9 +213,7 @@ class PipelinedRunner:
         it once the dispatch is complete), and None where it could go on but lets other lanes run
         first (between pieces of the LM head); returns the logits [len(rows), vocab]."""
         m, tr = self.model, self.tracer
-        dev = m.device
-        meta = meta.to(dev, m.windows)
-        input_ids, rows = input_ids.to(dev, non_blocking=True), rows.to(dev, non_blocking=True)
+        input_ids, meta, rows = m.step_inputs(input_ids, meta, rows)
         x = m.embed_tokens(input_ids)
         cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
         for layer in range(m.cfg.num_layers):
@@ -227,7 +225,7 @@ class PipelinedRunner:
             x = self.combine(d)
         # the LM head, in pieces between which other lanes run; the expert workers take pieces too
         xn = m.final_norm(x[rows])
-        logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=dev)
+        logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=m.device)
         d, take = self._lm_job(lane, step, xn, logits)
         while not d.lm.done:
             got = take(self._lm_piece(xn.shape[0]) // VOCAB_BLOCK)
