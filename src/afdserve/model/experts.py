@@ -60,12 +60,13 @@ def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if any(d * x.element_size() % 16 for d in (x.shape[1], w_down.shape[2], w_gate_up.shape[1])):
         # the grouped GEMM needs 16-byte aligned rows: a loop for such (tiny) shapes
         sizes = counts.tolist()
-        parts = [x.new_zeros(x.shape[0] - sum(sizes), w_down.shape[1])]
+        parts = []
         for j, rows in enumerate(x[: sum(sizes)].split(sizes)):
             gu = rows @ w_gate_up[j].T
             gu = gu if b_gate_up is None else gu + b_gate_up[j]
             out = act(gu) @ w_down[j].T
-            parts.insert(-1, out if b_down is None else out + b_down[j])
+            parts.append(out if b_down is None else out + b_down[j])
+        parts.append(x.new_zeros(x.shape[0] - sum(sizes), w_down.shape[1]))  # the rows past the groups
         return torch.cat(parts)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     # each row's bias; the rows past sum(counts), if any, get zeros (all worked out on the device)
