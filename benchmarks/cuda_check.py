@@ -217,6 +217,12 @@ def demo_checkpoint(root: Path, tokenizer: Path) -> Path:
     return path
 
 
+def demo_engine(batch: int, new_tokens: int) -> dict:
+    """``LLM`` settings of the bf16 demo-model engines on CUDA for up to ``batch`` 32-token prompts."""
+    return dict(device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=32 + new_tokens + 16,
+                max_num_batched_tokens=max(2048, batch * 48), startup_timeout_s=120)
+
+
 def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, rounds: int, compiled: bool) -> dict:
     import transformers as tf
 
@@ -235,8 +241,7 @@ def speed(root: Path, tokenizer: Path, batches: list[int], new_tokens: int, roun
                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         return out[:, ids.shape[1]:].tolist()
 
-    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=max(batches), max_model_len=32 + new_tokens + 16,
-              max_num_batched_tokens=max(2048, max(batches) * 48), startup_timeout_s=120)
+    kw = demo_engine(max(batches), new_tokens)
     engines = {"transformers": run_hf}
     llms = []
     variants = [("afdserve colocated", {}), ("afdserve 1+1 m=2", dict(expert_workers=1, micro_batches=2))]
@@ -297,8 +302,7 @@ def profile(root: Path, tokenizer: Path, batch: int, new_tokens: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": p} for p in torch.randint(3, 32000, (batch, 32), generator=gen).tolist()]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    with LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=batch, max_model_len=32 + new_tokens + 16,
-             max_num_batched_tokens=max(2048, batch * 48), startup_timeout_s=120) as llm:
+    with LLM(str(path), **demo_engine(batch, new_tokens)) as llm:
         llm.generate(prompts, params)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
