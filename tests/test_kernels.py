@@ -73,6 +73,26 @@ def test_fused_moe_matches_the_reference(dtype, tokens, hidden, inter, experts, 
         assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (id_dtype, (got - want).abs().max())
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_gives_a_pair_its_bits_whatever_the_rows_beside_it(dtype):
+    """An expert's pairs are packed in groups (spread evenly, up to 12 rows each): every count of
+    rows gives each token exactly what it gets alone, so a lane of 32 tokens and a batch of 64 agree."""
+    needs("fused_moe", dtype)
+    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    w13 = pack_gate_up((torch.randn(3, 64, 64, generator=g) * 0.1).to(dtype))
+    w2 = pack_down((torch.randn(3, 64, 32, generator=g) * 0.1).to(dtype))
+    ids = torch.stack([torch.tensor([0, 1 + t % 2]) for t in range(40)])  # expert 0 has every token
+    w = torch.softmax(torch.randn(40, 2, generator=g), -1)
+    local = torch.arange(3)
+    alone = torch.cat([fused_moe(x[t:t + 1], w13, w2, ids[t:t + 1], w[t:t + 1], local, 32) for t in range(40)])
+    for rows in range(1, 41):
+        assert torch.equal(fused_moe(x[:rows], w13, w2, ids[:rows], w[:rows], local, 32), alone[:rows]), rows
+
+
 def _attention_reference(q, kc, vc, tables, kv_lens, cu_q, bs, window, scale, sinks):
     out = torch.zeros(q.shape, dtype=torch.float64)
     nh, nkv = q.shape[1], kc.shape[1]
@@ -247,16 +267,16 @@ def test_linear_matches_the_reference(dtype, rows, n, k, bias):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_takes_any_number_of_rows(dtype):
-    """Every row count of a group and past it (the tiles take rows in fours, threes, twos and ones)
-    gives each row the result it gets alone."""
+    """Every row count of a group and past it (rows spread evenly over groups of up to 12; the tiles
+    take them whole, or in fours, threes, twos and ones) gives each row the result it gets alone."""
     needs("linear", dtype)
     from afdserve.kernels.linear import linear, pack
 
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(19, 96, generator=g).to(dtype)
+    x = torch.randn(40, 96, generator=g).to(dtype)
     w = pack((torch.randn(70, 96, generator=g) * 0.1).to(dtype))
-    alone = torch.cat([linear(x[i:i + 1], w, 70, None, torch.float32) for i in range(19)])
-    for rows in range(1, 20):
+    alone = torch.cat([linear(x[i:i + 1], w, 70, None, torch.float32) for i in range(40)])
+    for rows in range(1, 41):
         assert torch.equal(linear(x[:rows], w, 70, None, torch.float32), alone[:rows]), rows
 
 

@@ -21,7 +21,9 @@
 namespace afd {
 
 constexpr int NB = 32;     // outputs per column block
-constexpr int MR = 8;      // rows per group
+// rows per packed group: a tile of up to MR rows keeps 2 accumulators per row (AVX-512: 24 of the
+// 32 registers, beside the two weight vectors), so one pass over a weight chunk serves all of them
+constexpr int MR = 12;
 constexpr int64_t KC = 128;  // units per K chunk (a 16 KB chunk of a bfloat16 weight block)
 
 template <typename T>
@@ -42,7 +44,7 @@ constexpr int64_t kAW =
 template <typename T, int R>
 inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool accumulate, bool prefetch) {
   __m512 c[2 * R];
-#pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int r = 0; r < 2 * R; ++r) c[r] = accumulate ? _mm512_loadu_ps(out + 16 * r) : _mm512_setzero_ps();
   const char* pf = reinterpret_cast<const char*>(w) + units * NB * 4;  // the next chunk
   for (int64_t i = 0; i < units; ++i) {
@@ -52,7 +54,7 @@ inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool 
 #if defined(__AVX512BF16__)
       const int16_t* wp = reinterpret_cast<const int16_t*>(w) + i * 64;
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(ai[r]));
         c[2 * r] = _mm512_dpbf16_ps(c[2 * r], x, w0);
@@ -61,7 +63,7 @@ inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool 
 #endif
     } else {
       __m512 w0 = _mm512_loadu_ps(w + i * NB), w1 = _mm512_loadu_ps(w + i * NB + 16);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         __m512 x = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(ai[r])));
         c[2 * r] = _mm512_fmadd_ps(x, w0, c[2 * r]);
@@ -69,7 +71,7 @@ inline void tile(const uint32_t* a, const T* w, int64_t units, float* out, bool 
       }
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int r = 0; r < 2 * R; ++r) _mm512_storeu_ps(out + 16 * r, c[r]);
 }
 
@@ -235,7 +237,11 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
     case 5: tile<T, 5>(a, w, units, out, acc, pf); break;
     case 6: tile<T, 6>(a, w, units, out, acc, pf); break;
     case 7: tile<T, 7>(a, w, units, out, acc, pf); break;
-    default: tile<T, 8>(a, w, units, out, acc, pf); break;
+    case 8: tile<T, 8>(a, w, units, out, acc, pf); break;
+    case 9: tile<T, 9>(a, w, units, out, acc, pf); break;
+    case 10: tile<T, 10>(a, w, units, out, acc, pf); break;
+    case 11: tile<T, 11>(a, w, units, out, acc, pf); break;
+    default: tile<T, 12>(a, w, units, out, acc, pf); break;
   }
 }
 
@@ -243,17 +249,25 @@ inline void tile_rows(int n, const uint32_t* a, const T* w, int64_t units, float
 
 #if defined(AFD_VEC)
 
-// One column block `w` ([units][32] units) for `rows` rows packed in groups at `a` ([groups][units][MR]):
-// out[row][0:32] float32 (row-major, 32 per row)
+// Rows per group for `rows` rows: as few groups as MR allows, the rows spread evenly over them, so
+// no group is left with a row or two (a tile of few rows waits on its few accumulators' latency
+// and streams the weight chunk for little work): 13 rows are groups of 7 and 6, not 12 and 1
+inline int64_t group_rows(int64_t rows) {
+  const int64_t groups = std::max<int64_t>(1, (rows + MR - 1) / MR);
+  return std::max<int64_t>(1, (rows + groups - 1) / groups);
+}
+
+// One column block `w` ([units][32] units) for `rows` rows packed in groups of `per_group` rows at
+// `a` ([groups][units][MR]): out[row][0:32] float32 (row-major, 32 per row)
 template <typename T>
-inline void block_gemm(const uint32_t* a, int64_t rows, int64_t units, const T* w, float* out) {
-  const int64_t groups = (rows + MR - 1) / MR;
+inline void block_gemm(const uint32_t* a, int64_t rows, int64_t units, const T* w, float* out, int64_t per_group) {
+  const int64_t groups = (rows + per_group - 1) / per_group;
   for (int64_t k0 = 0; k0 < units; k0 += KC) {
     const int64_t kc = std::min<int64_t>(KC, units - k0);
     const T* wc = w + k0 * NB * kPerUnit<T>;
     for (int64_t g = 0; g < groups; ++g) {
-      const int n = static_cast<int>(std::min<int64_t>(MR, rows - g * MR));
-      tile_rows<T>(n, a + (g * units + k0) * MR * kAW<T>, wc, kc, out + g * MR * NB, k0 > 0, g == 0);
+      const int n = static_cast<int>(std::min<int64_t>(per_group, rows - g * per_group));
+      tile_rows<T>(n, a + (g * units + k0) * MR * kAW<T>, wc, kc, out + g * per_group * NB, k0 > 0, g == 0);
     }
   }
 }

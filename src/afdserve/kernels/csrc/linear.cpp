@@ -39,12 +39,14 @@ template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                  const at::Tensor& out, bool stream) {
   const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
-  const int64_t groups = (M + MR - 1) / MR;
+  const int64_t per_group = group_rows(M), groups = (M + per_group - 1) / per_group;
   std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r = 0; r < MR && g * MR + r < M; ++r) pack_row<T>(xp + (g * MR + r) * units, units, r, a.data() + g * units * MR * kAW<T>);
+      for (int64_t r = 0; r < per_group && g * per_group + r < M; ++r) {
+        pack_row<T>(xp + (g * per_group + r) * units, units, static_cast<int>(r), a.data() + g * units * MR * kAW<T>);
+      }
     }
   });
   const T* wp = w.data_ptr<T>();
@@ -53,12 +55,12 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const int64_t ld = out.stride(0);
   stream = stream && M * ld * static_cast<int64_t>(sizeof(O)) >= kStreamMinBytes;
   parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(groups * MR * NB);
+    std::vector<float> acc(M * NB);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t col = c * NB;
       const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
       const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
-      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data());
+      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data(), per_group);
       V16 b0 = vzero(), b1 = vzero();
       if (bp != nullptr) {
         b0 = load16(bp + col, n0);

@@ -73,8 +73,9 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   const float* wp = weights.data_ptr<float>();
   const int64_t* lp = local.data_ptr<int64_t>();
   const int64_t nlocal = local.size(0);
-  // counting sort of the (token, slot) pairs by local expert; each expert's pairs in groups of MR
-  std::vector<int64_t> start(E + 1, 0), pair_of(T_ * K, -1), group0(E + 1, 0);
+  // counting sort of the (token, slot) pairs by local expert; each expert's pairs in groups of
+  // per_group[e] rows (group_rows: at most MR, spread evenly)
+  std::vector<int64_t> start(E + 1, 0), pair_of(T_ * K, -1), group0(E + 1, 0), per_group(E, 1);
   std::vector<int32_t> expert_of(T_ * K, -1);
   for (int64_t i = 0; i < T_ * K; ++i) {
     int64_t g = static_cast<int64_t>(idp[i]);
@@ -82,7 +83,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
     if (e >= 0) { expert_of[i] = static_cast<int32_t>(e); ++start[e + 1]; }
   }
   for (int64_t e = 0; e < E; ++e) {
-    group0[e + 1] = group0[e] + (start[e + 1] + MR - 1) / MR;
+    per_group[e] = group_rows(start[e + 1]);
+    group0[e + 1] = group0[e] + (start[e + 1] + per_group[e] - 1) / per_group[e];
     start[e + 1] += start[e];
   }
   const int64_t P = start[E], groups = group0[E];
@@ -108,27 +110,27 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e) {
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
-        const int64_t g = group0[e] + (p - start[e]) / MR;
-        pack_row<T>(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1, static_cast<int>((p - start[e]) % MR),
-                    a1.data() + g * u1 * MR * kAW<T>);
+        const int64_t g = group0[e] + (p - start[e]) / per_group[e];
+        pack_row<T>(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1,
+                    static_cast<int>((p - start[e]) % per_group[e]), a1.data() + g * u1 * MR * kAW<T>);
       }
     }
   });
   int64_t most = 0;  // rows of the busiest expert
   for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
-  const int64_t most_pad = (most + MR - 1) / MR * MR;
   // phase 1: gate/up and the activation, by blocks of 16 intermediate columns; phases 1 and 2 run
   // in chunks that an idle neighbour's lent threads take too (lend.h)
   const int64_t macs1 = P * H * NB, macs2 = P * ipad * NB;  // per block of each phase
   const bool worth = P >= kLendMinPairs;
   parallel_lent(nb1, chunk_items(macs1), worth, [&](int64_t b0, int64_t b1) {
-    std::vector<float> acc(most_pad * NB);
+    std::vector<float> acc(most * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];
       if (rows == 0) continue;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
-        block_gemm<T>(a1.data() + group0[e] * u1 * MR * kAW<T>, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data());
+        block_gemm<T>(a1.data() + group0[e] * u1 * MR * kAW<T>, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data(),
+                      per_group[e]);
         V16 bg = vzero(), bu = vzero();
         if (b13p != nullptr) {
           bg = load16(b13p + e * 2 * inter + col, static_cast<int>(ncols));
@@ -137,14 +139,15 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
         for (int64_t r = 0; r < rows; ++r) {
           const float* gu = acc.data() + r * NB;
           V16 v = activation(vadd(vload(gu), bg), vadd(vload(gu + 16), bu), act, a, l);
-          store_packed<T>(a2.data() + (group0[e] + r / MR) * u2 * MR * kAW<T>, col, static_cast<int>(r % MR), v);
+          store_packed<T>(a2.data() + (group0[e] + r / per_group[e]) * u2 * MR * kAW<T>, col,
+                          static_cast<int>(r % per_group[e]), v);
         }
       }
     }
   });
   // phase 2: the down projection, by blocks of 32 hidden columns
   parallel_lent(nb2, chunk_items(macs2), worth, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(most_pad * NB);
+    std::vector<float> acc(most * NB);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t rows = start[e + 1] - start[e];
       if (rows == 0) continue;
@@ -157,7 +160,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
           bias0 = load16(b2p + e * H + col, n0);
           if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
         }
-        block_gemm<T>(a2.data() + group0[e] * u2 * MR * kAW<T>, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data());
+        block_gemm<T>(a2.data() + group0[e] * u2 * MR * kAW<T>, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data(),
+                      per_group[e]);
         for (int64_t r = 0; r < rows; ++r) {
           float* y = yp + (start[e] + r) * H + col;
           const float* o = acc.data() + r * NB;
