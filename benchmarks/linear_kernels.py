@@ -17,7 +17,11 @@ from memory, not cache, as in a model), the paths' order rotated every round; me
 ``dense`` for T up to ``DENSE_TOKENS_PER_THREAD`` x threads; this table is where that number comes
 
 
-    python benchmarks/linear_kernels.py [--tokens 4,8,16,32,64,128] [--threads 1,2] [--json out/linear_kernels.json]
+``--routing even`` gives every expert the same number of rows (token t to experts t*k .. t*k+k-1,
+modulo the experts): the cost of a layer by rows per expert, T*k/E.
+
+    python benchmarks/linear_kernels.py [--tokens 4,8,16,32,64,128] [--threads 1,2] [--routing random|even]
+                                        [--json out/linear_kernels.json]
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--layers", type=int, default=8, help="expert layers cycled through (weights beyond the cache)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--routing", choices=["random", "even"], default="random",
+                    help="top-k experts drawn uniformly, or every expert the same number of rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dense_default = experts_mod.DENSE_TOKENS_PER_THREAD
@@ -68,7 +74,10 @@ def main() -> None:
         torch.set_num_threads(threads)
         for t in [int(x) for x in args.tokens.split(",")]:
             y = torch.randn(t, model.cfg.hidden_size, generator=g).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(t)])
+            if args.routing == "even":
+                ids = (torch.arange(t)[:, None] * top_k + torch.arange(top_k)[None, :]) % num_experts
+            else:
+                ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(t)])
             w = torch.softmax(torch.randn(t, top_k, generator=g), -1)
             times: dict[str, list[float]] = {p: [] for p in PATHS}
             with torch.inference_mode():
@@ -88,7 +97,7 @@ def main() -> None:
     experts_mod.DENSE_TOKENS_PER_THREAD = dense_default
     heads = lm_head_rows(args.model or str(demo_model_path()), [int(x) for x in args.tokens.split(",")],
                          [int(t) for t in args.threads.split(",")], args.rounds, g)
-    print(f"expert layer, bf16, {len(layers)} layers cycled, median us per layer over {args.rounds} rounds "
+    print(f"expert layer, bf16, {len(layers)} layers cycled, {args.routing} routing, median us per layer over {args.rounds} rounds "
           f"(ratio to grouped); without the fused kernel ExpertPart runs dense for T <= {dense_default} x threads")
     print(f"{'threads':>7} {'T':>5} {'grouped':>9} " + " ".join(f"{p:>16}" for p in PATHS[1:]))
     for row in rows:
@@ -102,7 +111,7 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "linear_kernels", "dtype": "bfloat16", "rounds": args.rounds,
+            json.dump({"benchmark": "linear_kernels", "dtype": "bfloat16", "rounds": args.rounds, "routing": args.routing,
                        "layers": len(layers), "dense_tokens_per_thread": dense_default, "rows": rows, "lm_head": heads}, f, indent=1)
 
 
