@@ -46,8 +46,7 @@ def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", wind
     if idx.size == 0:
         return []
     q, kv = q_all[idx], kv_all[idx]
-    first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
-    nk = kv - first
+    _, nk = _keys(q, kv, window)
     order = np.argsort(-nk, kind="stable")  # most keys first: a group's key length is its first's
     groups, cur, area, lq, lk = [], [], 0, 0, 0
     for j in order.tolist():
@@ -62,11 +61,17 @@ def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", wind
     return [_group(np.asarray(g), q_all, kv_all, start_all, slots_of, window) for g in groups]
 
 
+def _keys(q: np.ndarray, kv: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each piece's first key position (its ``q`` new tokens the last of ``kv``, through
+    ``window``; 0: all keys) and how many keys it reads from there."""
+    first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
+    return first, kv - first
+
+
 def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np.ndarray,
            slots_of: "SlotSource", window: int) -> PrefillGroup:
     q, kv, start = q_all[ids], kv_all[ids], start_all[ids]
-    first = np.maximum(0, kv - q - window + 1) if window else np.zeros_like(q)
-    nk = kv - first
+    first, nk = _keys(q, kv, window)
     lq, lk = int(q.max()), int(nk.max())
     j = np.minimum(np.arange(lq)[None, :], q[:, None] - 1)  # [P, Lq]: padded rows repeat the last query
     rows = start[:, None] + j
