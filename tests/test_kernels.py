@@ -304,6 +304,43 @@ def test_linear_out_writes_a_column_range_in_place(dtype):
         linear_out(x, pack(w[:32]), 32, torch.empty(32, 13).T)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_linear_argmax_is_torch_argmax_of_the_logits(dtype, rows):
+    """The greedy LM head: each row's largest output and its index plus the offset, without the
+    outputs written, is ``torch.argmax`` of what ``linear`` writes (the first of equal maxima, the
+    first NaN), over any number of columns (a ragged last block), with a bias, in chunks of blocks
+    that threads merge in any order."""
+    needs("linear", dtype)
+    from afdserve.kernels.linear import linear, linear_argmax, pack
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, 512, generator=g).to(dtype)  # 40 rows: chunks of 3 blocks (parallel_lent)
+    w = (torch.randn(3000, 512, generator=g) * 0.1).to(dtype)
+    w[2900] = w[1500] = w[33] * 4  # ties: the same largest logit in blocks far apart, and in one block
+    w[35] = w[33] * 4
+    bias = torch.randn(2999, generator=g)
+    for n, b in ((3000, None), (2999, bias), (31, None), (32, None), (1, None)):
+        packed = pack(w[:n])
+        want = linear(x, packed, n, b, torch.float32)
+        val, idx = linear_argmax(x, packed, n, 7, b)
+        assert torch.equal(idx, torch.argmax(want, dim=-1) + 7), n
+        assert torch.equal(val, want.max(dim=-1).values), n
+    packed = pack(w)
+    want = torch.argmax(linear(x, packed, 3000, None, torch.float32), dim=-1)
+    for order in ([(0, 1024), (1024, 2048), (2048, 3000)], [(2048, 3000), (0, 1024), (1024, 2048)]):
+        into = (torch.zeros(rows), torch.full((rows,), -1, dtype=torch.int64))  # pieces merged in place, any order
+        for a, e in order:
+            linear_argmax(x, pack(w[a:e]), e - a, a, into=into)
+        assert torch.equal(into[1], want), order
+    w[1700, 3] = w[2500, 5] = float("nan")  # NaN logits in every row: the first one is the choice
+    packed = pack(w)
+    want = linear(x, packed, 3000, None, torch.float32)
+    val, idx = linear_argmax(x, packed, 3000)
+    assert torch.equal(idx, torch.argmax(want, dim=-1)) and (idx == 1700).all() and val.isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_big_logits_written_past_the_caches_keep_their_bits(dtype):
     """Logits of 2 MiB or more are written with streaming stores where a block is aligned (here

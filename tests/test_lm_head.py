@@ -74,13 +74,40 @@ def test_an_expert_worker_sends_runs_of_adjacent_blocks_and_stops_when_a_message
     work = ExpertLMWork(logits, vocab, None, capacity=lambda i: 4 * BLOCK * rows * 4)  # 4 blocks per reply
     work.add(0, 11, 1, 2, LMJob(9, 2 * EXPERT_PIECE_DIVISOR, 3, 10, False).ints(), xn)  # pieces of 2 blocks
     stops = iter([False, True])
-    work.work(lambda: next(stops, False), lambda i, t, meta, a, b: sent.append((i, t.clone(), meta, a, b)))
+    work.work(lambda: next(stops, False), lambda i, t, meta, a, b: sent.append((i, t[0].clone(), meta, a, b)))
     assert [(a, b) for *_, a, b in sent] == [(6 * BLOCK, vocab)] and work.jobs  # two pieces, then a message came
-    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((i, t.clone(), meta, a, b)))
+    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((i, t[0].clone(), meta, a, b)))
     assert [(a, b) for *_, a, b in sent] == [(6 * BLOCK, vocab), (3 * BLOCK, 6 * BLOCK)] and not work.jobs
     for i, t, meta, a, b in sent:
         assert i == 0 and meta == (11, 1, 2, 0)
         torch.testing.assert_close(t, xn @ w[a:b].T)
+
+
+def test_a_greedy_job_sends_each_rows_best_logit_and_index_per_run():
+    vocab, rows = 10 * BLOCK - 5, 4
+    w = torch.randn(vocab, 8)
+    xn = torch.randn(rows, 8)
+    w[70] = w[40]  # a tie inside one run: the lower index is the choice
+
+    def greedy(x, a, b, best):
+        val, idx = (x @ w[a:b].T).max(dim=-1)
+        best.merge(val, idx + a)
+
+    def no_logits(*_):
+        raise AssertionError("a greedy job computes no logits")
+
+    sent = []
+    work = ExpertLMWork(no_logits, vocab, None, capacity=lambda i: 64, greedy=greedy)  # a slot of 64 bytes fits
+    work.add(0, 3, 1, 2, LMJob(4, 2 * EXPERT_PIECE_DIVISOR, 0, 10, False, True).ints(), xn)
+    stops = iter([False, False, True])
+    send = lambda i, t, meta, a, b: sent.append((a, b, t[0].clone(), t[1].clone()))  # noqa: E731
+    work.work(lambda: next(stops, False), send)
+    work.work(lambda: False, send)
+    assert [(a, b) for a, b, *_ in sent] == [(4 * BLOCK, vocab), (0, 4 * BLOCK)] and not work.jobs
+    for a, b, val, idx in sent:
+        want = xn @ w[a:b].T
+        assert torch.equal(idx, torch.argmax(want, dim=-1) + a)
+        assert torch.equal(val, want.max(dim=-1).values)
 
 
 def test_fixed_ranges_take_from_their_own_end():
@@ -96,15 +123,18 @@ def big_vocab_model(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("mixtral_vocab"), "mixtral", vocab_size=8192)
 
 
-@pytest.mark.parametrize("lend", [True, False])
-def test_a_shared_lm_head_gives_transformers_tokens(big_vocab_model, lend):
+@pytest.mark.parametrize("lend,logprobs", [(True, None), (False, None), (True, 1)])
+def test_a_shared_lm_head_gives_transformers_tokens(big_vocab_model, lend, logprobs):
+    """Plain greedy steps take the argmax in the LM head (no logits); asking for logprobs makes
+    every side compute the logits: the same tokens either way."""
     rng = random.Random(2)
     ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
     want = hf_greedy(big_vocab_model, ps, 8)
     with LLM(str(big_vocab_model), num_kv_blocks=64, expert_workers=1, micro_batches=2, lend_idle_cores=lend) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps],
-                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=logprobs))
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert all((o.outputs[0].logprobs is not None) == (logprobs is not None) for o in outs)
 
 
 def test_a_run_goes_out_when_the_reply_slot_is_full():
@@ -114,7 +144,7 @@ def test_a_run_goes_out_when_the_reply_slot_is_full():
     work = ExpertLMWork(lambda x, a, b, out: out.copy_(x @ w[a:b].T), vocab, None,
                         capacity=lambda i: 3 * BLOCK * rows * 4)  # 3 blocks per reply
     work.add(1, 5, 0, 2, LMJob(1, 1, 0, 8, False).ints(), xn)
-    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((a // BLOCK, b // BLOCK, t.clone())))
+    work.work(lambda: False, lambda i, t, meta, a, b: sent.append((a // BLOCK, b // BLOCK, t[0].clone())))
     assert [(a, b) for a, b, _ in sent] == [(5, 8), (2, 5), (0, 2)]
     for a, b, t in sent:
         torch.testing.assert_close(t, xn @ w[a * BLOCK:b * BLOCK].T)

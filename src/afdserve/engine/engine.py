@@ -17,7 +17,7 @@ import torch
 
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import Runner
-from afdserve.engine.sampler import SamplingInputs, position_logprobs, sample
+from afdserve.engine.sampler import SamplingInputs, plain_greedy, position_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
@@ -56,6 +56,7 @@ class StepInputs:
     prompt_rows: list[tuple[Sequence, int, int]]
     partial: list[Sequence]
     t0: float
+    greedy: bool = False  # every row samples plainly greedily: the runner returns token ids, not logits
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Engine:
         s = self.begin()
         if s is None:
             return []
-        return self.finish(s, self.runner.forward(s.input_ids, s.meta, s.rows))
+        return self.finish(s, self.runner.forward(s.input_ids, s.meta, s.rows, s.greedy))
 
     def begin(self, lanes: int = 1) -> StepInputs | None:
         """Schedules a batch and prepares its inputs, for a runner to compute. With ``lanes`` > 1 the
@@ -159,12 +160,14 @@ class Engine:
         rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
         order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
         meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, self.blocks.block_size)
+        greedy = bool(sampled) and not prompt_rows and all(plain_greedy(seq) for seq, _ in sampled)
         return StepInputs(batch, torch.tensor(input_ids, dtype=torch.int64), meta,
-                          rows if order is None else rows[order], order, sampled, prompt_rows, partial, t0)
+                          rows if order is None else rows[order], order, sampled, prompt_rows, partial, t0, greedy)
 
     def finish(self, s: StepInputs, logits: torch.Tensor) -> list[TokenOutput]:
-        """The step ``s`` was computed (``logits`` of its rows): advances its sequences, samples,
-        applies the stop conditions; returns the outputs."""
+        """The step ``s`` was computed (``logits`` of its rows, or for a ``greedy`` step the token ids
+        they choose, int64 [rows]): advances its sequences, samples, applies the stop conditions;
+        returns the outputs."""
         batch, sampled, prompt_rows = s.batch, s.sampled, s.prompt_rows
         if s.order is not None:
             logits = torch.empty_like(logits).index_copy_(0, s.order, logits)
@@ -184,7 +187,7 @@ class Engine:
         if live:
             keep = [i for i, _ in live]
             rows = logits[: len(sampled)] if len(keep) == len(sampled) else logits[keep]
-            outs += self._sample(rows, [seq for _, seq in live])
+            outs += self._sample(rows, [seq for _, seq in live], chosen=logits.dim() == 1)
         meta = s.meta
         num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - s.t0)
@@ -197,11 +200,14 @@ class Engine:
         it and run again in a later step."""
         self.scheduler.land(s.batch)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenOutput]:
-        allowed = self.grammars.allowed(seqs, logits.shape[1]) if self.grammars is not None else None
-        tokens, logprobs = sample(logits, SamplingInputs(
-            [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], chosen: bool = False) -> list[TokenOutput]:
+        if chosen:  # token ids the runner chose (a greedy step)
+            tokens, logprobs = logits.tolist(), [None] * len(seqs)
+        else:
+            allowed = self.grammars.allowed(seqs, logits.shape[1]) if self.grammars is not None else None
+            tokens, logprobs = sample(logits, SamplingInputs(
+                [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
         outs = []
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             first = not seq.output_token_ids

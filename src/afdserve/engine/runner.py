@@ -18,8 +18,10 @@ MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class Runner(Protocol):
     vocab_size: int
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits [len(rows), vocab] of the flat-batch token rows ``rows``."""
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor,
+                greedy: bool = False) -> torch.Tensor:
+        """Returns float32 logits [len(rows), vocab] of the flat-batch token rows ``rows``; with
+        ``greedy``, each row's argmax instead (int64 [len(rows)], ``afdserve.model.greedy``)."""
         ...
 
 
@@ -49,7 +51,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor,
+                greedy: bool = False) -> torch.Tensor:
         m = self.model
         if self.tracker is not None:
             self.tracker.step()
@@ -60,4 +63,4 @@ class ModelRunner:
             h, y, ids, w = m.pre_moe(layer, x, cos_sin, meta, self.kv)
             # a dense layer (ids None) has its MLP here: nothing goes to the experts
             x = m.post_moe(layer, h, y, None if ids is None else self.moe(layer, y, ids, w))
-        return m.logits(x[rows])
+        return m.greedy(x[rows]) if greedy else m.logits(x[rows])

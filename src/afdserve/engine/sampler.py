@@ -18,6 +18,8 @@ import torch
 
 from afdserve.engine.outputs import TokenLogprobs
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sequence import Sequence
+from afdserve.model.greedy import argmax_rows
 
 
 @dataclass
@@ -49,25 +51,13 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[T
     return out, lps
 
 
-def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of a [S, V] tensor, the same indices (the first maximum, NaN
-    counting as the maximum), faster on CPU for a vocabulary-sized V: ``argmax`` over the last
-    dimension runs scalar code there, ``amax`` is vectorized. The row's best chunk of ``chunk``
-    columns is found by ``amax``, then the argmax within it."""
-    s, v = x.shape
-    n = v // chunk
-    if n < 2 or x.device.type != "cpu":
-        return torch.argmax(x, dim=-1)
-    rows = torch.arange(s, device=x.device)
-    head = x[:, : n * chunk].reshape(s, n, chunk)
-    best = torch.argmax(head.amax(dim=-1), dim=-1)  # the first chunk holding the maximum (or a NaN)
-    idx = best * chunk + torch.argmax(head[rows, best], dim=-1)
-    if n * chunk < v:  # the columns after the last whole chunk win only with a larger value (or a NaN)
-        tail_val, tail_idx = x[:, n * chunk :].max(dim=-1)
-        head_val = x[rows, idx]
-        later = (tail_val > head_val) | (tail_val.isnan() & ~head_val.isnan())
-        idx = torch.where(later, tail_idx + n * chunk, idx)
-    return idx
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is the argmax of its raw logits: greedy, with nothing that reads
+    or changes the logits first (logprobs, a grammar, penalties, a bias, a ``min_tokens`` not reached)."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.structured_outputs is None and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+            and len(seq.output_token_ids) >= p.min_tokens)
 
 
 def position_logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprobs:

@@ -29,3 +29,18 @@ def linear_out(x: torch.Tensor, packed: torch.Tensor, n: int, out: torch.Tensor,
     """``linear`` written into ``out`` ([M, n], x's dtype or float32, unit column stride, any row
     stride: e.g. a column range of the whole logits), with no intermediate tensor and copy."""
     ops().linear_out(x, packed, bias, n, out)
+
+
+def linear_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, offset: int = 0, bias: torch.Tensor | None = None,
+                  into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``linear(x, packed, n, bias, float32)``: its largest value (float32 [M]) and that
+    column plus ``offset`` (int64 [M]), ``torch.argmax``'s choice (the first maximum; a NaN counts as
+    the largest), without writing the outputs anywhere. ``into``: a (values, indices) pair, index -1
+    for none, updated in place where this call's choice beats theirs (the pieces of one argmax, in
+    any order)."""
+    if into is None:
+        val, idx = torch.empty(x.shape[0], dtype=torch.float32), torch.empty(x.shape[0], dtype=torch.int64)
+    else:
+        val, idx = into
+    ops().linear_argmax(x, packed, bias, n, offset, val, idx, into is not None)
+    return val, idx

@@ -27,9 +27,11 @@ from torch import nn
 
 from afdserve import kernels
 from afdserve.kernels.linear import linear as kernel_linear
+from afdserve.kernels.linear import linear_argmax as kernel_linear_argmax
 from afdserve.kernels.linear import linear_out as kernel_linear_out
 from afdserve.kernels.linear import pack
 from afdserve.kernels.packing import BLOCK
+from afdserve.model.greedy import Best, argmax_rows
 
 # the batch size oneDNN is told to optimise the layout for (the decode batch of a few to a few
 # hundred rows; measured not to matter much between 16 and 128)
@@ -133,6 +135,20 @@ def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return linear_rows(x.reshape(-1, x.shape[-1]), w, 0, w.shape[0], torch.float32,
                            out=out.view(-1, w.shape[0])).view(out.shape)
     return linear(x, w, out_dtype=torch.float32)
+
+
+def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, best: Best, start: int = 0, end: int | None = None) -> None:
+    """Merges into ``best`` each row of ``x`` [M, K]'s largest float32 logit of ``x @ w[start:end].T``
+    and its vocabulary index (``model.greedy``'s choice): by the kernel on the packed copy of ``w``,
+    writing no logits, where it runs (``start`` a multiple of 32), else from the logits."""
+    end = w.shape[0] if end is None else end
+    if start % BLOCK == 0 and _rows_kernel(x, w) and best.val.device == x.device:
+        packed = _packed_weight(w, PLAIN, True)[start // BLOCK: -(-end // BLOCK)]
+        kernel_linear_argmax(x.contiguous(), packed, end - start, start, into=(best.val, best.idx))
+        return
+    logits = linear(x, w[start:end], out_dtype=torch.float32)
+    idx = argmax_rows(logits)
+    best.merge(logits.gather(1, idx[:, None])[:, 0], idx + start)
 
 
 def _rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:

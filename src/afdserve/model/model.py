@@ -23,7 +23,8 @@ from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
 from afdserve.model.layers import RMSNorm
-from afdserve.model.linear import Linear, linear_rows, lm_head
+from afdserve.model.greedy import Best
+from afdserve.model.linear import Linear, linear_rows, lm_head, lm_head_argmax
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -134,6 +135,17 @@ class AttentionModel(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return lm_head(self.norm(x), self.lm_head.weight)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of ``logits(x)`` (int64), without the logits where the kernel runs."""
+        best = Best(x.shape[0], x.device)
+        lm_head_argmax(self.norm(x), self.lm_head.weight, best)
+        return best.idx
+
+    def greedy_slice(self, xn: torch.Tensor, start: int, end: int, best: Best) -> None:
+        """Merges each row's largest logit in the vocabulary ``[start, end)`` of the normalized ``xn``,
+        and its index, into ``best``: the greedy LM head in pieces."""
+        lm_head_argmax(xn, self.lm_head.weight, best, start, end)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from afdserve.balance.load import LoadTracker
-from afdserve.model.linear import linear_rows
+from afdserve.model.greedy import Best
+from afdserve.model.linear import linear_rows, lm_head_argmax
 from afdserve.model.model import ExpertModel
 from afdserve.model.router import Router
 from afdserve.runtime.expert_map import ExpertMap
@@ -32,6 +33,14 @@ class ExpertCompute:
         if self.lm_head is None:
             raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
         linear_rows(xn.to(self.lm_head.device), self.lm_head, start, end, torch.float32, out=out)
+
+    @torch.inference_mode()
+    def greedy(self, xn: torch.Tensor, start: int, end: int, best: Best) -> None:
+        """Merges each row's largest logit of the vocabulary ``[start, end)`` and its index into
+        ``best`` (a greedy job's run, in host memory like the replies)."""
+        if self.lm_head is None:
+            raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
+        lm_head_argmax(xn.to(self.lm_head.device), self.lm_head, best, start, end)
 
     @torch.inference_mode()
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:

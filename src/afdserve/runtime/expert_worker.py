@@ -53,7 +53,7 @@ class ExpertWorker:
         self.lm_layer = model_cfg.num_layers  # the layer index of LM head jobs
         # LM head jobs of the attention workers, worked on while no layer waits (runtime.lm_head)
         self.lm = ExpertLMWork(self.compute.logits, model_cfg.vocab_size, ClaimWords.of(self.lender),
-                               lambda i: self.links.comm.capacity(self.peers[i]) - 64)
+                               lambda i: self.links.comm.capacity(self.peers[i]) - 64, self.compute.greedy)
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
         # a deferred replacement connects on its first Regroup (its peers serve around it meanwhile)
@@ -166,10 +166,10 @@ class ExpertWorker:
         assert self.links is not None
         links, t0 = self.links, time.perf_counter_ns()
 
-        def send(i: int, logits: torch.Tensor, meta: tuple[int, int, int, int], a: int, b: int) -> None:
+        def send(i: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int], a: int, b: int) -> None:
             if self.lender is not None:
                 self.lender.wake(slot("attention", i))
-            links.send(i, [logits], meta, ((self.busy_ns + time.perf_counter_ns() - t0) // 1000, a, b))
+            links.send(i, tensors, meta, ((self.busy_ns + time.perf_counter_ns() - t0) // 1000, a, b))
 
         with self.tracer.span("expert", layer=self.lm_layer, phase="lm_head"):
             self.lm.work(links.pending, send)

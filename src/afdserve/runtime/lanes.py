@@ -100,7 +100,8 @@ class Lanes:
         self.nothing_to_begin = False
 
     def _task(self, lane: int, step: StepInputs) -> Generator[Dispatch | None, None, None]:
-        logits = yield from self.runner.run(lane, self.runner.next_step(), step.input_ids, step.meta, step.rows)
+        logits = yield from self.runner.run(lane, self.runner.next_step(), step.input_ids, step.meta, step.rows,
+                                            step.greedy)
         yield None  # sampling after the lanes whose replies came
         with self.tracer.span("engine", phase="finish", mb=lane):
             outs = self.engine.finish(step, logits)

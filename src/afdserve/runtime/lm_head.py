@@ -13,7 +13,10 @@ states.
 
 An expert worker replies with *runs*: the logits of adjacent blocks it took one after the other,
 sent when it stops (a layer came, the job ran out, the reply slot is full); the attention worker
-copies each into the step's logits and is done once every vocabulary row is covered.
+copies each into the step's logits and is done once every vocabulary row is covered. A *greedy* job
+(a step whose rows all take the argmax of their logits) computes no logits: each side keeps every
+row's largest logit and its index over the blocks it took (``afdserve.model.greedy.Best``), and a
+run's reply is those two numbers per row.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from afdserve import kernels
+from afdserve.model.greedy import Best
 from afdserve.runtime.core_board import CLAIM_LANES, SLOTS, Lender
 
 BLOCK = 32  # vocabulary rows per block: the packed LM head's column blocks
@@ -42,21 +46,23 @@ EXPERT_PIECE_DIVISOR = 2
 class LMJob:
     """An LM head job as an expert worker gets it (the ints of the message that carries the
     normalized hidden states): take blocks of ``[lo, hi)`` ``piece`` at a time from the top, from the
-    shared word of (the sender, ``lane``) if ``shared``, else from that range alone."""
+    shared word of (the sender, ``lane``) if ``shared``, else from that range alone; if ``greedy``,
+    reply with each row's best logit and its index instead of the logits."""
 
     tag: int
     piece: int
     lo: int
     hi: int
     shared: bool
+    greedy: bool = False
 
     def ints(self) -> tuple[int, ...]:
-        return self.tag, self.piece, self.lo, self.hi, int(self.shared)
+        return self.tag, self.piece, self.lo, self.hi, int(self.shared), int(self.greedy)
 
     @classmethod
     def of(cls, ints: tuple[int, ...]) -> "LMJob":
-        tag, piece, lo, hi, shared = ints[:5]
-        return cls(tag, piece, lo, hi, bool(shared))
+        tag, piece, lo, hi, shared, greedy = ints[:6]
+        return cls(tag, piece, lo, hi, bool(shared), bool(greedy))
 
 
 class FixedRange:
@@ -131,7 +137,8 @@ class Coverage:
 
 class ExpertLMWork:
     """An expert worker's open LM head jobs, worked on while no layer waits for it: blocks taken from
-    the top, their logits computed into a run buffer and sent as one reply per run."""
+    the top, their logits computed into a run buffer (a greedy job: the run's ``Best``) and sent as one
+    reply per run."""
 
     @dataclass
     class Open:
@@ -140,13 +147,17 @@ class ExpertLMWork:
         job: LMJob
         xn: torch.Tensor
         take: Callable[[bool, int], tuple[int, int] | None]
-        buf: torch.Tensor  # the run's logits: its last block ends at the buffer's right end
+        buf: torch.Tensor | None  # the run's logits: its last block ends at the buffer's right end
+        best: Best | None = None  # a greedy job's run
         run: tuple[int, int] | None = None  # the blocks in the buffer
 
     def __init__(self, logits: Callable[[torch.Tensor, int, int, torch.Tensor], None], vocab: int,
-                 claims: ClaimWords | None,
-                 capacity: Callable[[int], int]):
-        self.logits, self.vocab, self.claims, self.capacity = logits, vocab, claims, capacity
+                 claims: ClaimWords | None, capacity: Callable[[int], int],
+                 greedy: Callable[[torch.Tensor, int, int, Best], None] | None = None):
+        """``logits(xn, start, end, out)``: the logits of vocabulary ``[start, end)`` into ``out``;
+        ``greedy(xn, start, end, best)``: each row's best of them and its index merged into ``best``
+        (greedy jobs)."""
+        self.logits, self.vocab, self.claims, self.capacity, self.greedy = logits, vocab, claims, capacity, greedy
         self.jobs: list[ExpertLMWork.Open] = []
 
     def add(self, sender: int, step: int, lane: int, layer: int, ints: tuple[int, ...], xn: torch.Tensor) -> None:
@@ -156,6 +167,11 @@ class ExpertLMWork:
         else:
             take = FixedRange(job.lo, job.hi).take
         rows = xn.shape[0]
+        if job.greedy:
+            if self.greedy is None:
+                raise RuntimeError("a greedy LM head job came to an expert worker that cannot compute one")
+            self.jobs.append(self.Open(sender, (step, lane, layer, 0), job, xn.clone(), take, None))
+            return
         blocks = min(self.capacity(sender) // max(1, rows * 4 * BLOCK), -(-self.vocab // BLOCK))  # a reply slot's worth
         if blocks < 1:
             raise RuntimeError(f"an LM head job of {rows} rows does not fit the reply slots of {sender}")
@@ -165,12 +181,13 @@ class ExpertLMWork:
     def clear(self) -> None:
         self.jobs.clear()
 
-    def work(self, interrupted: Callable[[], bool], send: Callable[[int, torch.Tensor, tuple, int, int], None]) -> None:
+    def work(self, interrupted: Callable[[], bool],
+             send: Callable[[int, list[torch.Tensor], tuple, int, int], None]) -> None:
         """Works on the oldest job, piece by piece, until ``interrupted()`` (a message came) or no
-        blocks are left (the job is dropped); each run goes out through ``send(sender, logits, meta,
-        start row, end row)``."""
+        blocks are left (the job is dropped); each run goes out through ``send(sender, tensors, meta,
+        start row, end row)``: [logits], or a greedy job's [values, indices]."""
         o = self.jobs[0]
-        width = o.buf.shape[1] // BLOCK
+        width = o.buf.shape[1] // BLOCK if o.buf is not None else -(-self.vocab // BLOCK)
         while True:
             got = o.take(True, min(max(1, o.job.piece // EXPERT_PIECE_DIVISOR), width))
             if got is None:
@@ -181,7 +198,11 @@ class ExpertLMWork:
             if o.run is not None and (o.run[0] != b or o.run[1] - a > width):  # not adjacent, or full
                 self._flush(o, send)
             hi = b if o.run is None else o.run[1]
-            self.logits(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), self._columns(o.buf, a, b, hi))
+            if o.buf is None:
+                o.best = o.best or Best(o.xn.shape[0], o.xn.device)
+                self.greedy(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), o.best)  # type: ignore[misc]
+            else:
+                self.logits(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), self._columns(o.buf, a, b, hi))
             o.run = (a, hi)
             if interrupted():
                 self._flush(o, send)
@@ -191,7 +212,11 @@ class ExpertLMWork:
         if o.run is None:
             return
         a, b = o.run
-        send(o.sender, self._columns(o.buf, a, b, b), o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
+        if o.buf is None:
+            send(o.sender, [o.best.val, o.best.idx], o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
+            o.best = None
+        else:
+            send(o.sender, [self._columns(o.buf, a, b, b)], o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
         o.run = None
 
     def _columns(self, buf: torch.Tensor, a: int, b: int, hi: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from afdserve.comm import PeerTimeoutError
 from afdserve.kernels.packing import BLOCK
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttnMetadata
+from afdserve.model.greedy import Best
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.core_board import Lender, lent, slot
@@ -189,9 +190,10 @@ class PipelinedRunner:
         self._expect.clear()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor) -> torch.Tensor:
-        """One step on its own, waited for: logits [len(rows), vocab]."""
-        run = self.run(0, self.next_step(), input_ids, meta, rows)
+    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor,
+                greedy: bool = False) -> torch.Tensor:
+        """One step on its own, waited for: logits [len(rows), vocab] (``greedy``: each row's argmax)."""
+        run = self.run(0, self.next_step(), input_ids, meta, rows, greedy)
         try:
             d = next(run)
             while True:
@@ -208,10 +210,11 @@ class PipelinedRunner:
 
     # ---- one lane's step --------------------------------------------------------------------------
     def run(self, lane: int, step: int, input_ids: torch.Tensor, meta: AttnMetadata,
-            rows: torch.Tensor) -> Generator[Dispatch | None, None, torch.Tensor]:
+            rows: torch.Tensor, greedy: bool = False) -> Generator[Dispatch | None, None, torch.Tensor]:
         """One step of ``lane`` through every layer: yields each ``Dispatch`` it then waits on (resume
         it once the dispatch is complete), and None where it could go on but lets other lanes run
-        first (between pieces of the LM head); returns the logits [len(rows), vocab]."""
+        first (between pieces of the LM head); returns the logits [len(rows), vocab], or with
+        ``greedy`` each row's argmax of them (int64 [len(rows)]; no logits are computed)."""
         m, tr = self.model, self.tracer
         input_ids, meta, rows = m.step_inputs(input_ids, meta, rows)
         x = m.embed_tokens(input_ids)
@@ -225,8 +228,9 @@ class PipelinedRunner:
             x = self.combine(d)
         # the LM head, in pieces between which other lanes run; the expert workers take pieces too
         xn = m.final_norm(x[rows])
-        logits = torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=m.device)
-        d, take = self._lm_job(lane, step, xn, logits)
+        best = Best(xn.shape[0], m.device) if greedy else None
+        logits = None if greedy else torch.empty(xn.shape[0], m.cfg.vocab_size, dtype=torch.float32, device=m.device)
+        d, take = self._lm_job(lane, step, xn, logits, best)
         while not d.lm.done:
             got = take(self._lm_piece(xn.shape[0]) // VOCAB_BLOCK)
             if got is None:
@@ -234,7 +238,10 @@ class PipelinedRunner:
             start, end = got[0] * VOCAB_BLOCK, min(got[1] * VOCAB_BLOCK, m.cfg.vocab_size)
             t0 = time.perf_counter()
             with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
-                m.logits_slice(xn, start, end, logits)
+                if best is not None:
+                    m.greedy_slice(xn, start, end, best)
+                else:
+                    m.logits_slice(xn, start, end, logits)
             self._lm_measured(xn.shape[0] * (end - start), time.perf_counter() - t0)
             d.lm.add(start, end)
             yield None
@@ -242,13 +249,13 @@ class PipelinedRunner:
             yield d  # the expert workers' runs are copied into the logits as they come
         self._forget(d)
         self.lm.step_done()
-        return logits
+        return best.idx if best is not None else logits
 
-    def _lm_job(self, lane: int, step: int, xn: torch.Tensor,
-                logits: torch.Tensor) -> tuple[Dispatch, Callable[[int], tuple[int, int] | None]]:
-        """Starts the LM head of ``lane``'s step: sends the job to the expert workers that help with
-        it; returns its dispatch (complete once every vocabulary row is in) and how this worker
-        takes its blocks (from the bottom)."""
+    def _lm_job(self, lane: int, step: int, xn: torch.Tensor, logits: torch.Tensor | None,
+                best: Best | None) -> tuple[Dispatch, Callable[[int], tuple[int, int] | None]]:
+        """Starts the LM head of ``lane``'s step (into ``logits``, or a greedy one into ``best``):
+        sends the job to the expert workers that help with it; returns its dispatch (complete once
+        every vocabulary row is in) and how this worker takes its blocks (from the bottom)."""
         rows, vocab, last = xn.shape[0], self.vocab_size, self.model.cfg.num_layers
         blocks = -(-vocab // VOCAB_BLOCK)
         d = Dispatch(lane, step, last, xn, xn, deadline=self._deadline(rows), lm=Coverage(vocab))
@@ -256,20 +263,25 @@ class PipelinedRunner:
         piece = max(1, self._lm_piece(rows) // VOCAB_BLOCK)
         workers = self._present()
         index = ClaimWords.index(self.index, lane)
-        if self.claims is not None and index >= 0 and workers and rows <= self.lm.reply_bytes // (4 * VOCAB_BLOCK):
+        greedy = best is not None  # replies of two numbers a row: any number of rows fits
+        if self.claims is not None and index >= 0 and workers and (
+                greedy or rows <= self.lm.reply_bytes // (4 * VOCAB_BLOCK)):
             shared = self.claims.open(self.index, lane, self._lm_tag, blocks)  # every expert worker may help
-            helpers = [(j, LMJob(self._lm_tag, piece, 0, blocks, True)) for j in workers]
+            helpers = [(j, LMJob(self._lm_tag, piece, 0, blocks, True, greedy)) for j in workers]
             take = lambda n: shared.take(False, n)  # noqa: E731
         else:  # fixed shares, where they pay (see LMHeadShare and unshared_busy)
             shares = self.lm.shares(rows, vocab, workers, self._busy_for_lm_head(rows))
-            helpers = [(j, LMJob(self._lm_tag, piece, a // VOCAB_BLOCK, -(-b // VOCAB_BLOCK), False))
+            helpers = [(j, LMJob(self._lm_tag, piece, a // VOCAB_BLOCK, -(-b // VOCAB_BLOCK), False, greedy))
                        for j, a, b in shares]
             own = FixedRange(0, shares[0][1] // VOCAB_BLOCK if shares else blocks)
             take = lambda n: own.take(False, n)  # noqa: E731
 
         def sink(msg: Any) -> None:
             a, b = msg.meta.ints[1], msg.meta.ints[2]
-            logits[:, a:b].copy_(msg.tensors[0])
+            if best is not None:
+                best.merge(msg.tensors[0], msg.tensors[1])
+            else:
+                logits[:, a:b].copy_(msg.tensors[0])
             d.lm.add(a, b)
 
         with self.tracer.span("send", mb=lane, layer=last):

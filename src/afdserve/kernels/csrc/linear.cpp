@@ -9,8 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <immintrin.h>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -35,11 +37,10 @@ constexpr int64_t kStreamMinBytes = int64_t{2} << 20;
 // out: [M, n] with unit column stride and any row stride (a column range of a wider tensor); with
 // `stream`, float32 output blocks of a big output are written past the caches where aligned (the LM
 // head's logits: megabytes that sampling reads once, later; a write that fills no line first)
-template <typename T, typename O>
-void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                 const at::Tensor& out, bool stream) {
-  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
-  const int64_t per_group = group_rows(M), groups = (M + per_group - 1) / per_group;
+// the rows of x ([M, K]) packed in groups of `per_group` (gemm.h)
+template <typename T>
+std::vector<uint32_t> packed_rows(const at::Tensor& x, int64_t per_group) {
+  const int64_t M = x.size(0), units = x.size(1) / kPerUnit<T>, groups = (M + per_group - 1) / per_group;
   std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
@@ -49,6 +50,15 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
       }
     }
   });
+  return a;
+}
+
+template <typename T, typename O>
+void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                 const at::Tensor& out, bool stream) {
+  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
+  const int64_t per_group = group_rows(M);
+  const std::vector<uint32_t> a = packed_rows<T>(x, per_group);
   const T* wp = w.data_ptr<T>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   O* op = out.data_ptr<O>();
@@ -81,6 +91,65 @@ void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
       }
     }
     if (stream) _mm_sfence();  // the streamed stores are visible before the call returns
+  });
+}
+
+// (v, i) is torch.argmax's choice over (bv, bi) (i < 0: none): the larger value, a NaN counting as
+// the largest, the lower index between equals (and between NaNs)
+inline bool beats(float v, int64_t i, float bv, int64_t bi) {
+  if (i < 0) return false;
+  if (bi < 0) return true;
+  const bool vn = std::isnan(v), bn = std::isnan(bv);
+  if (vn || bn) return vn && (!bn || i < bi);
+  return v > bv || (v == bv && i < bi);
+}
+
+// per row of x W^T (+ bias): its largest output and that output's column plus `offset` (beats)
+// into val [M] and idx [M] (with `merge`, where it beats what they hold); the outputs are those linear_impl writes, never stored: each block's
+// are compared with the row's best so far in registers, and only a block holding a larger one (or
+// a NaN) is reduced to its best
+template <typename T>
+void argmax_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                 int64_t offset, const at::Tensor& val, const at::Tensor& idx, bool merge_into) {
+  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
+  const int64_t per_group = group_rows(M);
+  const std::vector<uint32_t> a = packed_rows<T>(x, per_group);
+  const T* wp = w.data_ptr<T>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* vp = val.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  if (!merge_into) std::fill(ip, ip + M, int64_t{-1});
+  std::mutex merge;
+  parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
+    std::vector<float> acc(M * NB), bv(M, 0.0f);
+    std::vector<int64_t> bi(M, -1);
+    const V16 none = vset1(-INFINITY);  // the lanes past n
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t col = c * NB;
+      const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
+      const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
+      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data(), per_group);
+      V16 b0 = vzero(), b1 = vzero();
+      if (bp != nullptr) {
+        b0 = load16(bp + col, n0);
+        if (n1 > 0) b1 = load16(bp + col + 16, n1);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        if (bi[r] >= 0 && std::isnan(bv[r])) continue;  // the first NaN stays
+        V16 v0 = vadd(vload(acc.data() + r * NB), b0), v1 = vadd(vload(acc.data() + r * NB + 16), b1);
+        if (n1 < 16) v0 = vfirst(none, v0, n0), v1 = vfirst(none, v1, n1);
+        if (bi[r] >= 0 && (vexceeds(v0, bv[r]) | vexceeds(v1, bv[r])) == 0) continue;
+        // the block's best: its first NaN, else the first of its largest
+        const uint32_t nan = visnan(v0) | visnan(v1) << 16;
+        const float top = nan != 0 ? NAN : vhmax(vmax(v0, v1));
+        const int j = __builtin_ctz(nan != 0 ? nan : vequal(v0, top) | vequal(v1, top) << 16);
+        if (beats(top, col + j, bv[r], bi[r])) bv[r] = top, bi[r] = col + j;
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge);  // chunks merge in any order: beats is order-free
+    for (int64_t r = 0; r < M; ++r) {
+      if (beats(bv[r], bi[r] < 0 ? -1 : bi[r] + offset, vp[r], ip[r])) vp[r] = bv[r], ip[r] = bi[r] + offset;
+    }
   });
 }
 
@@ -122,6 +191,22 @@ void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   linear_into(x, w, bias, n, out, true);  // the LM head (model.linear.linear_rows)
 }
 
+void linear_argmax(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                   int64_t offset, const at::Tensor& val, const at::Tensor& idx, bool merge) {
+  check_inputs(x, w, bias, n);
+  TORCH_CHECK(val.scalar_type() == at::kFloat && val.is_contiguous() && val.numel() == x.size(0)
+              && idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.numel() == x.size(0) && n > 0,
+              "linear_argmax: val must be float32 [M], idx int64 [M], n > 0");
+  if (x.size(0) == 0) return;
+#if defined(AFD_VEC)
+  if (x.scalar_type() == at::kFloat) {
+    argmax_impl<float>(x, w, bias, n, offset, val, idx, merge);
+  } else {
+    argmax_impl<at::BFloat16>(x, w, bias, n, offset, val, idx, merge);
+  }
+#endif
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                   c10::optional<at::ScalarType> out_dtype) {
   check_inputs(x, w, bias, n);
@@ -136,8 +221,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, ScalarType? out_dtype) -> Tensor");
   m.def("linear_out(Tensor x, Tensor w, Tensor? bias, int n, Tensor(a!) out) -> ()");
+  m.def("linear_argmax(Tensor x, Tensor w, Tensor? bias, int n, int offset, Tensor(a!) val, Tensor(b!) idx, bool merge) -> ()");
 }
 TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) {
   m.impl("linear", &afd::linear);
   m.impl("linear_out", &afd::linear_out);
+  m.impl("linear_argmax", &afd::linear_argmax);
 }

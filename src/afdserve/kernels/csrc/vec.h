@@ -121,6 +121,11 @@ inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 inline float vsum(V16 v) { return _mm512_reduce_add_ps(v); }
 // the first n lanes of `take`, the others of `keep`
 inline V16 vfirst(V16 keep, V16 take, int n) { return _mm512_mask_mov_ps(keep, tail_mask(n), take); }
+// lanes where v is not <= t (larger, or a NaN), equal to t, or NaN, as bits; the largest lane (no NaN)
+inline uint32_t vexceeds(V16 v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_NLE_UQ); }
+inline uint32_t vequal(V16 v, float t) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_EQ_OQ); }
+inline uint32_t visnan(V16 v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline float vhmax(V16 v) { return _mm512_reduce_max_ps(v); }
 
 #elif defined(AFD_AVX2)
 
@@ -145,6 +150,25 @@ inline float vsum(V16 v) {
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+
+// lanes where v is not <= t (larger, or a NaN), equal to t, or NaN, as bits; the largest lane (no NaN)
+template <int kCmp>
+inline uint32_t vbits(V16 v, __m256 t) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.lo, t, kCmp)))
+         | static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.hi, t, kCmp))) << 8;
+}
+inline uint32_t vexceeds(V16 v, float t) { return vbits<_CMP_NLE_UQ>(v, _mm256_set1_ps(t)); }
+inline uint32_t vequal(V16 v, float t) { return vbits<_CMP_EQ_OQ>(v, _mm256_set1_ps(t)); }
+inline uint32_t visnan(V16 v) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q)))
+         | static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q))) << 8;
+}
+inline float vhmax(V16 v) {
+  const __m256 m = _mm256_max_ps(v.lo, v.hi);
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
 // the first n lanes of `take`, the others of `keep`
