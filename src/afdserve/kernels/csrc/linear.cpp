@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <immintrin.h>
 #include <mutex>
 #include <type_traits>
@@ -37,45 +38,69 @@ constexpr int64_t kStreamMinBytes = int64_t{2} << 20;
 // out: [M, n] with unit column stride and any row stride (a column range of a wider tensor); with
 // `stream`, float32 output blocks of a big output are written past the caches where aligned (the LM
 // head's logits: megabytes that sampling reads once, later; a write that fills no line first)
-// the rows of x ([M, K]) packed in groups of `per_group` (gemm.h)
+// x W^T over a packed weight, one column block of 32 outputs at a time: x's rows packed once
+// (gemm.h), the blocks split between this process's threads and lent ones (parallel_lent)
 template <typename T>
-std::vector<uint32_t> packed_rows(const at::Tensor& x, int64_t per_group) {
-  const int64_t M = x.size(0), units = x.size(1) / kPerUnit<T>, groups = (M + per_group - 1) / per_group;
-  std::vector<uint32_t> a(groups * units * MR * kAW<T>, 0);
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t r = 0; r < per_group && g * per_group + r < M; ++r) {
-        pack_row<T>(xp + (g * per_group + r) * units, units, static_cast<int>(r), a.data() + g * units * MR * kAW<T>);
+struct Blocks {
+  // a computed block: how many of its 32 outputs are real (n0 of the first 16, n1 of the second;
+  // none past n) and their bias (zero without one, or past n)
+  struct Out {
+    int64_t col;
+    int n0, n1;
+    V16 b0, b1;
+  };
+
+  int64_t M, K, units, nblocks, n, per_group;
+  std::vector<uint32_t> a;
+  const T* w;
+  const float* bias;
+
+  Blocks(const at::Tensor& x, const at::Tensor& wt, const c10::optional<at::Tensor>& b, int64_t n_)
+      : M(x.size(0)), K(x.size(1)), units(K / kPerUnit<T>), nblocks(wt.size(0)), n(n_), per_group(group_rows(M)),
+        a(groups() * units * MR * kAW<T>, 0), w(wt.data_ptr<T>()), bias(b.has_value() ? b->data_ptr<float>() : nullptr) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<T>());
+    at::parallel_for(0, groups(), 4, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t r = 0; r < per_group && g * per_group + r < M; ++r) {
+          pack_row<T>(xp + (g * per_group + r) * units, units, static_cast<int>(r), a.data() + g * units * MR * kAW<T>);
+        }
       }
+    });
+  }
+
+  int64_t groups() const { return (M + per_group - 1) / per_group; }
+
+  // f(c0, c1) over the blocks, in chunks (a big product also on lent threads)
+  void run(const std::function<void(int64_t, int64_t)>& f) const {
+    parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, f);
+  }
+
+  // block c for every row into acc (32 per row)
+  Out compute(int64_t c, float* acc) const {
+    const int64_t col = c * NB;
+    Out o{col, static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col))),
+          static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16))), vzero(), vzero()};
+    block_gemm<T>(a.data(), M, units, w + c * K * NB, acc, per_group);
+    if (bias != nullptr) {
+      o.b0 = load16(bias + col, o.n0);
+      if (o.n1 > 0) o.b1 = load16(bias + col + 16, o.n1);
     }
-  });
-  return a;
-}
+    return o;
+  }
+};
 
 template <typename T, typename O>
 void linear_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                  const at::Tensor& out, bool stream) {
-  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
-  const int64_t per_group = group_rows(M);
-  const std::vector<uint32_t> a = packed_rows<T>(x, per_group);
-  const T* wp = w.data_ptr<T>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const Blocks<T> bl(x, w, bias, n);
+  const int64_t M = bl.M;
   O* op = out.data_ptr<O>();
   const int64_t ld = out.stride(0);
   stream = stream && M * ld * static_cast<int64_t>(sizeof(O)) >= kStreamMinBytes;
-  parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
+  bl.run([&](int64_t c0, int64_t c1) {
     std::vector<float> acc(M * NB);
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t col = c * NB;
-      const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
-      const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
-      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data(), per_group);
-      V16 b0 = vzero(), b1 = vzero();
-      if (bp != nullptr) {
-        b0 = load16(bp + col, n0);
-        if (n1 > 0) b1 = load16(bp + col + 16, n1);
-      }
+      const auto [col, n0, n1, b0, b1] = bl.compute(c, acc.data());
       for (int64_t r = 0; r < M; ++r) {
         const float* o = acc.data() + r * NB;
         O* dst = op + r * ld + col;
@@ -105,35 +130,24 @@ inline bool beats(float v, int64_t i, float bv, int64_t bi) {
 }
 
 // per row of x W^T (+ bias): its largest output and that output's column plus `offset` (beats)
-// into val [M] and idx [M] (with `merge`, where it beats what they hold); the outputs are those linear_impl writes, never stored: each block's
-// are compared with the row's best so far in registers, and only a block holding a larger one (or
-// a NaN) is reduced to its best
+// into val [M] and idx [M] (with `merge_into`, where it beats what they hold); the outputs are
+// those linear_impl writes, never stored: each block's are compared with the row's best so far in
+// registers, and only a block holding a larger one (or a NaN) is reduced to its best
 template <typename T>
 void argmax_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                  int64_t offset, const at::Tensor& val, const at::Tensor& idx, bool merge_into) {
-  const int64_t M = x.size(0), K = x.size(1), units = K / kPerUnit<T>, nblocks = w.size(0);
-  const int64_t per_group = group_rows(M);
-  const std::vector<uint32_t> a = packed_rows<T>(x, per_group);
-  const T* wp = w.data_ptr<T>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const Blocks<T> bl(x, w, bias, n);
+  const int64_t M = bl.M;
   float* vp = val.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
   if (!merge_into) std::fill(ip, ip + M, int64_t{-1});
   std::mutex merge;
-  parallel_lent(nblocks, chunk_items(M * K * NB), M * K * n >= kLendMinMacs, [&](int64_t c0, int64_t c1) {
+  bl.run([&](int64_t c0, int64_t c1) {
     std::vector<float> acc(M * NB), bv(M, 0.0f);
     std::vector<int64_t> bi(M, -1);
     const V16 none = vset1(-INFINITY);  // the lanes past n
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t col = c * NB;
-      const int n0 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col)));
-      const int n1 = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, n - col - 16)));
-      block_gemm<T>(a.data(), M, units, wp + c * K * NB, acc.data(), per_group);
-      V16 b0 = vzero(), b1 = vzero();
-      if (bp != nullptr) {
-        b0 = load16(bp + col, n0);
-        if (n1 > 0) b1 = load16(bp + col + 16, n1);
-      }
+      const auto [col, n0, n1, b0, b1] = bl.compute(c, acc.data());
       for (int64_t r = 0; r < M; ++r) {
         if (bi[r] >= 0 && std::isnan(bv[r])) continue;  // the first NaN stays
         V16 v0 = vadd(vload(acc.data() + r * NB), b0), v1 = vadd(vload(acc.data() + r * NB + 16), b1);
