@@ -17,6 +17,9 @@ from memory, not cache, as in a model), the paths' order rotated every round; me
 ``dense`` for T up to ``DENSE_TOKENS_PER_THREAD`` x threads; this table is where that number comes
 
 
+After the expert layers, the LM head at each T: its float32 logits, the logits and greedy sampling's
+``argmax_rows``, and the greedy LM head (``linear_argmax``: each row's best logit and index, no logits).
+
 ``--routing even`` gives every expert the same number of rows (token t to experts t*k .. t*k+k-1,
 modulo the experts): the cost of a layer by rows per expert, T*k/E.
 
@@ -38,6 +41,7 @@ from afdserve.model import experts as experts_mod
 from afdserve.model import linear
 from afdserve.model.config import ModelConfig
 from afdserve.model.demo import demo_model_path
+from afdserve.model.greedy import Best, argmax_rows
 from afdserve.model.loader import CheckpointReader
 from afdserve.model.model import ExpertModel, read_lm_head
 
@@ -104,10 +108,12 @@ def main() -> None:
         g_us = row["grouped_us"]
         print(f"{row['threads']:>7} {row['tokens']:>5} {g_us:>9.0f} " + " ".join(
             f"{row[p + '_us']:>9.0f} ({g_us / row[p + '_us']:.2f}x)" for p in PATHS[1:]))
-    print(f"LM head, bf16 weight [{heads[0]['vocab']}, {heads[0]['hidden']}], float32 logits, median us per call")
-    print(f"{'threads':>7} {'T':>5} {'us':>9} {'GFLOP/s':>8}")
+    print(f"LM head, bf16 weight [{heads[0]['vocab']}, {heads[0]['hidden']}], median us per call: float32 logits; "
+          f"logits + argmax_rows; the greedy LM head (linear_argmax, no logits)")
+    print(f"{'threads':>7} {'T':>5} {'logits':>9} {'GFLOP/s':>8} {'+argmax':>9} {'greedy':>9}")
     for row in heads:
-        print(f"{row['threads']:>7} {row['tokens']:>5} {row['us']:>9.0f} {row['gflop_s']:>8.1f}")
+        print(f"{row['threads']:>7} {row['tokens']:>5} {row['us']:>9.0f} {row['gflop_s']:>8.1f} {row['argmax_us']:>9.0f} "
+              f"{row['greedy_us']:>9.0f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -117,7 +123,10 @@ def main() -> None:
 
 def lm_head_rows(path: str, tokens: list[int], threads: list[int], rounds: int,
                  g: torch.Generator) -> list[dict]:
-    """The LM head through ``model.linear.linear`` (the kernel on its packed weight where it runs)."""
+    """The LM head three ways, timed in alternating order each round: ``us`` its float32 logits
+    (``model.linear.lm_head``: the kernel on its packed weight where it runs); ``argmax_us`` those
+    logits and greedy sampling's ``argmax_rows`` over them; ``greedy_us`` the greedy LM head
+    (``lm_head_argmax``: each row's best logit and its index, no logits written)."""
     cfg = ModelConfig.from_pretrained(path)
     w = read_lm_head(CheckpointReader(path), cfg, torch.bfloat16)
     vocab, hidden = w.shape
@@ -127,15 +136,22 @@ def lm_head_rows(path: str, tokens: list[int], threads: list[int], rounds: int,
             torch.set_num_threads(n)
             for t in tokens:
                 x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
-                linear.linear(x, w, out_dtype=torch.float32)  # packs the weight once, warms up
-                times = []
-                for _ in range(rounds):
-                    t0 = time.perf_counter()
-                    linear.linear(x, w, out_dtype=torch.float32)
-                    times.append(time.perf_counter() - t0)
-                med = statistics.median(times)
-                rows.append({"threads": n, "tokens": t, "vocab": vocab, "hidden": hidden, "us": round(med * 1e6, 1),
-                             "gflop_s": round(2 * t * vocab * hidden / med / 1e9, 1)})
+                ways = {"us": lambda: linear.lm_head(x, w),
+                        "argmax_us": lambda: argmax_rows(linear.lm_head(x, w)),
+                        "greedy_us": lambda: linear.lm_head_argmax(x, w, Best(t))}
+                for f in ways.values():
+                    f()  # packs the weight once, warms up
+                times: dict[str, list[float]] = {k: [] for k in ways}
+                for r in range(rounds):
+                    names = list(ways)[r % 3:] + list(ways)[: r % 3]
+                    for k in names:
+                        t0 = time.perf_counter()
+                        ways[k]()
+                        times[k].append(time.perf_counter() - t0)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append({"threads": n, "tokens": t, "vocab": vocab, "hidden": hidden,
+                             **{k: round(v * 1e6, 1) for k, v in med.items()},
+                             "gflop_s": round(2 * t * vocab * hidden / med["us"] / 1e9, 1)})
     return rows
 
 
