@@ -4,6 +4,7 @@ in-flight rules, and the LM head's vocabulary shares."""
 import random
 
 import pytest
+import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
@@ -189,3 +190,24 @@ def test_busy_expert_workers_get_lm_head_shares_only_behind_short_layers():
     assert unshared_busy({1}, work, rate, layer_rtt=0.0) == {1}  # no layer measured yet
     assert unshared_busy(set(), work, rate, layer_rtt=4e-3) == set()
 
+
+
+def test_a_plain_greedy_step_asks_the_runner_for_token_ids(tiny_mixtral):
+    """A step whose rows all sample plainly greedily gets token ids from the runner (the argmax taken
+    in the LM head), the argmax of the logits it would get otherwise; finish takes either. A request
+    asking for logprobs (or any other use of the logits) makes its steps use the logits."""
+    client, eng = _lanes_engine(tiny_mixtral)
+    for i, p in enumerate(_prompts(5, seed=9)):
+        eng.add_request(str(i), p, GREEDY)
+    eng.add_request("lp", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2))
+    seen = {True: 0, False: 0}
+    while eng.has_unfinished():
+        s = eng.begin()
+        logits = eng.runner.forward(s.input_ids, s.meta, s.rows)
+        ids = eng.runner.forward(s.input_ids, s.meta, s.rows, greedy=True)
+        assert ids.dtype == torch.int64 and torch.equal(ids, torch.argmax(logits, dim=-1))
+        assert s.greedy == all(seq.request_id != "lp" for seq, _ in s.sampled)
+        seen[s.greedy] += 1
+        outs = eng.finish(s, ids if s.greedy else logits)
+        assert all((o.logprobs is not None) == (o.request_id == "lp") for o in outs if o.new_token_ids)
+    assert seen[True] and seen[False]

@@ -126,3 +126,18 @@ def test_argmax_rows_is_torch_argmax(vocab):
     for dtype in (torch.float32, torch.bfloat16):
         y = x.to(dtype)
         assert torch.equal(argmax_rows(y), torch.argmax(y, dim=-1))
+
+
+def test_plain_greedy_is_only_a_bare_argmax():
+    from afdserve.engine.sampler import plain_greedy
+    from afdserve.engine.sequence import Sequence
+
+    def seq(out=(), **kw):
+        return Sequence("r", [1, 2], SamplingParams(max_tokens=8, **kw), output_token_ids=list(out))
+
+    assert plain_greedy(seq(temperature=0)) and plain_greedy(seq(top_k=1))
+    assert plain_greedy(seq(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[4], out=[7, 8]))
+    for kw in ({}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "logit_bias": {3: 1.0}},
+               {"temperature": 0, "repetition_penalty": 1.1}, {"temperature": 0, "frequency_penalty": 0.5},
+               {"temperature": 0, "presence_penalty": 0.5}, {"temperature": 0, "min_tokens": 2}):
+        assert not plain_greedy(seq(**kw)), kw
