@@ -29,8 +29,6 @@ def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return idx
 
 
-
-
 class Best:
     """The running (value, index) of each of ``rows`` rows over the pieces merged so far (updated
     in place: the LM head kernel merges its pieces straight into them)."""

@@ -246,7 +246,7 @@ class PipelinedRunner:
             d.lm.add(start, end)
             yield None
         if not d.complete:
-            yield d  # the expert workers' runs are copied into the logits as they come
+            yield d  # the expert workers' runs are copied into the logits (merged into best) as they come
         self._forget(d)
         self.lm.step_done()
         return best.idx if best is not None else logits
