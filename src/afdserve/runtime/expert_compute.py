@@ -30,17 +30,20 @@ class ExpertCompute:
     def logits(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
         """float32 logits of the vocabulary ``[start, end)`` for the final normalized hidden states
         ``xn``, into ``out`` [len(xn), end - start]."""
-        if self.lm_head is None:
-            raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
-        linear_rows(xn.to(self.lm_head.device), self.lm_head, start, end, torch.float32, out=out)
+        w = self._held_lm_head()
+        linear_rows(xn.to(w.device), w, start, end, torch.float32, out=out)
 
     @torch.inference_mode()
     def greedy(self, xn: torch.Tensor, start: int, end: int, best: Best) -> None:
         """Merges each row's largest logit of the vocabulary ``[start, end)`` and its index into
         ``best`` (a greedy job's run, in host memory like the replies)."""
+        w = self._held_lm_head()
+        lm_head_argmax(xn.to(w.device), w, best, start, end)
+
+    def _held_lm_head(self) -> torch.Tensor:
         if self.lm_head is None:
             raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
-        lm_head_argmax(xn.to(self.lm_head.device), self.lm_head, best, start, end)
+        return self.lm_head
 
     @torch.inference_mode()
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:

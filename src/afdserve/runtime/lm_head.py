@@ -147,7 +147,7 @@ class ExpertLMWork:
         job: LMJob
         xn: torch.Tensor
         take: Callable[[bool, int], tuple[int, int] | None]
-        buf: torch.Tensor | None  # the run's logits: its last block ends at the buffer's right end
+        buf: torch.Tensor | None  # the run's logits, its last block at the right end (a greedy job: none)
         best: Best | None = None  # a greedy job's run
         run: tuple[int, int] | None = None  # the blocks in the buffer
 
@@ -166,16 +166,15 @@ class ExpertLMWork:
             take = self.claims.range(sender, lane, job.tag).take
         else:
             take = FixedRange(job.lo, job.hi).take
-        rows = xn.shape[0]
-        if job.greedy:
-            if self.greedy is None:
-                raise RuntimeError("a greedy LM head job came to an expert worker that cannot compute one")
-            self.jobs.append(self.Open(sender, (step, lane, layer, 0), job, xn.clone(), take, None))
-            return
-        blocks = min(self.capacity(sender) // max(1, rows * 4 * BLOCK), -(-self.vocab // BLOCK))  # a reply slot's worth
-        if blocks < 1:
-            raise RuntimeError(f"an LM head job of {rows} rows does not fit the reply slots of {sender}")
-        buf = torch.empty(rows, blocks * BLOCK, dtype=torch.float32, device=xn.device)
+        rows, buf = xn.shape[0], None
+        if job.greedy and self.greedy is None:
+            raise RuntimeError("a greedy LM head job came to an expert worker that cannot compute one")
+        if not job.greedy:  # a greedy run's reply is two numbers a row: no buffer
+            # a reply slot's worth
+            blocks = min(self.capacity(sender) // max(1, rows * 4 * BLOCK), -(-self.vocab // BLOCK))
+            if blocks < 1:
+                raise RuntimeError(f"an LM head job of {rows} rows does not fit the reply slots of {sender}")
+            buf = torch.empty(rows, blocks * BLOCK, dtype=torch.float32, device=xn.device)
         self.jobs.append(self.Open(sender, (step, lane, layer, 0), job, xn.clone(), take, buf))
 
     def clear(self) -> None:
@@ -187,7 +186,7 @@ class ExpertLMWork:
         blocks are left (the job is dropped); each run goes out through ``send(sender, tensors, meta,
         start row, end row)``: [logits], or a greedy job's [values, indices]."""
         o = self.jobs[0]
-        width = o.buf.shape[1] // BLOCK if o.buf is not None else -(-self.vocab // BLOCK)
+        width = -(-self.vocab // BLOCK) if o.job.greedy else o.buf.shape[1] // BLOCK  # type: ignore[union-attr]
         while True:
             got = o.take(True, min(max(1, o.job.piece // EXPERT_PIECE_DIVISOR), width))
             if got is None:
@@ -198,11 +197,12 @@ class ExpertLMWork:
             if o.run is not None and (o.run[0] != b or o.run[1] - a > width):  # not adjacent, or full
                 self._flush(o, send)
             hi = b if o.run is None else o.run[1]
-            if o.buf is None:
+            start, end = a * BLOCK, min(b * BLOCK, self.vocab)
+            if o.job.greedy:
                 o.best = o.best or Best(o.xn.shape[0], o.xn.device)
-                self.greedy(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), o.best)  # type: ignore[misc]
+                self.greedy(o.xn, start, end, o.best)  # type: ignore[misc]
             else:
-                self.logits(o.xn, a * BLOCK, min(b * BLOCK, self.vocab), self._columns(o.buf, a, b, hi))
+                self.logits(o.xn, start, end, self._columns(o.buf, a, b, hi))  # type: ignore[arg-type]
             o.run = (a, hi)
             if interrupted():
                 self._flush(o, send)
@@ -212,11 +212,11 @@ class ExpertLMWork:
         if o.run is None:
             return
         a, b = o.run
-        if o.buf is None:
-            send(o.sender, [o.best.val, o.best.idx], o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
-            o.best = None
+        if o.job.greedy:
+            tensors, o.best = [o.best.val, o.best.idx], None  # type: ignore[union-attr]
         else:
-            send(o.sender, [self._columns(o.buf, a, b, b)], o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
+            tensors = [self._columns(o.buf, a, b, b)]  # type: ignore[arg-type]
+        send(o.sender, tensors, o.meta, a * BLOCK, min(b * BLOCK, self.vocab))
         o.run = None
 
     def _columns(self, buf: torch.Tensor, a: int, b: int, hi: int) -> torch.Tensor:
