@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace afd {
@@ -70,6 +71,8 @@ inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
 }
 inline float keep_max(Keep k, V16 s) { return _mm512_mask_reduce_max_ps(k, s); }
 inline V16 keep_only(Keep k, V16 v) { return _mm512_maskz_mov_ps(k, v); }
+// the kept lanes of v, -inf in the others
+inline V16 keep_or_minf(Keep k, V16 v) { return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), k, v); }
 
 #else  // AFD_AVX2
 
@@ -117,6 +120,15 @@ inline V16 keep_only(Keep k, V16 v) {
   const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));
   const __m256 mh = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit));
   return {_mm256_and_ps(v.lo, ml), _mm256_and_ps(v.hi, mh)};
+}
+inline V16 keep_or_minf(Keep k, V16 v) {
+  const V16 kept = keep_only(k, v);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i lo = _mm256_set1_epi32(static_cast<int32_t>(k & 0xffu)), hi = _mm256_set1_epi32(static_cast<int32_t>(k >> 8));
+  const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));
+  const __m256 mh = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit));
+  const __m256 minf = _mm256_set1_ps(-INFINITY);
+  return {_mm256_blendv_ps(minf, kept.lo, ml), _mm256_blendv_ps(minf, kept.hi, mh)};
 }
 
 #endif  // __AVX512F__ / AFD_AVX2
@@ -226,75 +238,142 @@ inline void chunk_values_rows(int rb, const float* p, int nk, const int64_t* slo
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bfloat16 scores by vdpbf16ps: s[r] = sum_d q_r[d] k_j[d] for the chunk's 16 keys j, over the keys'
+// dimensions in pairs (a pair is one 32-bit word: the chunk's rows of 16 words are transposed as
+// they are, with no widening to float32). `qrow[r]`: query vector r's row (bfloat16, hd even).
+template <int R>
+inline void pair_scores(const at::BFloat16* const* qrow, const int64_t* slots, int64_t c0, int nk,
+                        const at::BFloat16* kc, int64_t nkv, int64_t g, int64_t hd, V16* s) {
+  const int64_t words = hd / 2;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) s[r] = vzero();
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int nw = static_cast<int>(std::min<int64_t>(16, words - w0));
+    V16 rows[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t sl = j < nk ? slots[c0 + j] : -1;
+      rows[j] = sl < 0 ? vzero() : _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
+          tail_mask(nw), reinterpret_cast<const int32_t*>(kc + (sl * nkv + g) * hd) + w0));
+    }
+    transpose16(rows);  // rows[w]: word w0 + w of the 16 keys
+    for (int w = 0; w < nw; ++w) {
+      const __m512bh k = (__m512bh)_mm512_castps_si512(rows[w]);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qw = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(qrow[r])[w0 + w]);
+        s[r] = _mm512_dpbf16_ps(s[r], qw, k);
+      }
+    }
+  }
+}
+constexpr bool kPairScores = true;
+#else
+constexpr bool kPairScores = false;
+#endif
+
 // One tile: R query vectors (tokens x heads of one key head, R in {1, 2, 4, 8, 16}: the tile's
 // real vectors padded with ones that attend nothing) of one sequence, over the keys any of them
-// attends, 16 at a time, with the softmax kept online (running max and sum).
+// attends, 16 at a time. The softmax takes two passes over the tile's scores (kept in `sb`): the
+// exact maximum first, then the probabilities, each chunk's values accumulated as its
+// probabilities are known (no running rescale of the accumulators).
 template <typename T, int R>
 void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const T* vc, T* out, float* kt,
-                 float* qf, float* acc) {
+                 float* qf, float* acc, std::vector<float>& sb) {
   const int64_t nh = bt.nh, nkv = bt.nkv, hd = bt.hd, G = nh / nkv, nd = (hd + 15) / 16;
   const int64_t ld = (hd + 31) / 32 * 32;  // row stride of qf and acc
   const int real = tl.ntok * tl.nheads;
   const int64_t qlen = bt.cu_q[tl.seq + 1] - bt.cu_q[tl.seq], kvlen = bt.kv_lens[tl.seq];
   const int64_t* slots = bt.slots + bt.slot0[tl.seq];
+  // bfloat16 with AVX512-BF16: scores from the bfloat16 rows by vdpbf16ps, scaled after
+  constexpr bool pairs = kPairScores && std::is_same_v<T, at::BFloat16>;
+  const bool by_pairs = pairs && hd % 2 == 0;
   int64_t lo[R], hi[R];  // key range [lo, hi] of each query vector (empty for padding)
-  float m[R], l[R];
+  const T* qrow[R];
   for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
     for (int64_t i = 0; i < ld; ++i) acc[r * ld + i] = 0.0f;
     if (r >= real) {
       lo[r] = 1;
       hi[r] = 0;
-      for (int64_t i = 0; i < ld; ++i) qf[r * ld + i] = 0.0f;
+      qrow[r] = qrow[0];
+      if (!by_pairs) for (int64_t i = 0; i < ld; ++i) qf[r * ld + i] = 0.0f;
       continue;
     }
     const int64_t tok = tl.token0 + r / tl.nheads, head = tl.kv_head * G + tl.head0 + r % tl.nheads;
     hi[r] = kvlen - qlen + (tok - bt.cu_q[tl.seq]);
     lo[r] = bt.window > 0 ? std::max<int64_t>(0, hi[r] - bt.window + 1) : 0;
-    const T* src = q + (tok * nh + head) * hd;
+    qrow[r] = q + (tok * nh + head) * hd;
+    if (by_pairs) continue;
     for (int64_t d = 0; d < ld; d += 16) {
       const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, hd - d)));
-      vstore(qf + r * ld + d, n > 0 ? vmul(load16(src + d, n), vset1(bt.scale)) : vzero());
+      vstore(qf + r * ld + d, n > 0 ? vmul(load16(qrow[r] + d, n), vset1(bt.scale)) : vzero());
     }
   }
   int64_t k0 = lo[0], k1 = hi[0];
   for (int r = 1; r < real; ++r) { k0 = std::min(k0, lo[r]); k1 = std::max(k1, hi[r]); }
   k0 -= k0 % 16;  // chunks aligned to 16 positions
-  alignas(64) float p[R * 16];
-  V16 s[R];
+  const int64_t nchunks = (k1 - k0) / 16 + 1, row = nchunks * 16;  // sb: [real][row]
+  if (static_cast<int64_t>(sb.size()) < real * row) sb.resize(real * row);
+  V16 s[R], top[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) top[r] = vset1(-INFINITY);
+  // pass 1: every chunk's scores (-inf where a vector does not attend), and each vector's maximum
   prefetch_rows(slots, k0, std::min(k0 + 16, k1 + 1), kc, vc, nkv, tl.kv_head, hd);
-  for (int64_t c0 = k0; c0 <= k1; c0 += 16) {
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t c0 = k0 + 16 * c;
     const int nk = static_cast<int>(std::min<int64_t>(16, k1 + 1 - c0));
     prefetch_rows(slots, c0 + 16, std::min(c0 + 32, k1 + 1), kc, vc, nkv, tl.kv_head, hd);  // the next chunk
-    for (int64_t d = 0; d < nd; ++d) {  // the chunk's keys as float32, transposed: kt[dim][key]
-      V16 rows[16];
-      const int n = static_cast<int>(std::min<int64_t>(16, hd - 16 * d));
-      for (int j = 0; j < 16; ++j) {
-        const int64_t sl = j < nk ? slots[c0 + j] : -1;
-        rows[j] = sl < 0 ? vzero() : load16(kc + (sl * nkv + tl.kv_head) * hd + 16 * d, n);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if constexpr (pairs) {
+      if (by_pairs) {
+        pair_scores<R>(reinterpret_cast<const at::BFloat16* const*>(qrow), slots, c0, nk,
+                       reinterpret_cast<const at::BFloat16*>(kc), nkv, tl.kv_head, hd, s);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) s[r] = vmul(s[r], vset1(bt.scale));
       }
-      transpose16(rows);
-      for (int j = 0; j < 16; ++j) vstore(kt + (16 * d + j) * 16, rows[j]);
     }
-    chunk_scores<R>(qf, ld, kt, hd, s);
-    for (int r = 0; r < R; ++r) {
-      const Keep keep = keep_range(c0, lo[r], hi[r]);
-      const float mnew = keep ? std::max(m[r], keep_max(keep, s[r])) : m[r];
-      const float corr = mnew == -INFINITY ? 1.0f : std::exp(m[r] - mnew);  // 0 on the first chunk
-      const V16 e = keep ? keep_only(keep, exp16(vsub(s[r], vset1(mnew)))) : vzero();
-      vstore(p + r * 16, e);
-      l[r] = l[r] * corr + vsum(e);
-      m[r] = mnew;
-      if (corr != 1.0f) {
-        for (int64_t i = 0; i < ld; i += 16) vstore(acc + r * ld + i, vmul(vload(acc + r * ld + i), vset1(corr)));
+#endif
+    if (!by_pairs) {
+      for (int64_t d = 0; d < nd; ++d) {  // the chunk's keys as float32, transposed: kt[dim][key]
+        V16 rows[16];
+        const int n = static_cast<int>(std::min<int64_t>(16, hd - 16 * d));
+        for (int j = 0; j < 16; ++j) {
+          const int64_t sl = j < nk ? slots[c0 + j] : -1;
+          rows[j] = sl < 0 ? vzero() : load16(kc + (sl * nkv + tl.kv_head) * hd + 16 * d, n);
+        }
+        transpose16(rows);
+        for (int j = 0; j < 16; ++j) vstore(kt + (16 * d + j) * 16, rows[j]);
       }
+      chunk_scores<R>(qf, ld, kt, hd, s);
+    }
+    for (int r = 0; r < real; ++r) {
+      const V16 v = keep_or_minf(keep_range(c0, lo[r], hi[r]), s[r]);
+      vstore(sb.data() + r * row + 16 * c, v);
+      top[r] = vmax(top[r], v);
+    }
+  }
+  // pass 2: probabilities (unnormalized) and the values
+  float m[R], l[R];
+  V16 sum[R];
+  for (int r = 0; r < real; ++r) {
+    m[r] = vhmax(top[r]);
+    sum[r] = vzero();
+  }
+  alignas(64) float p[R * 16];
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t c0 = k0 + 16 * c;
+    const int nk = static_cast<int>(std::min<int64_t>(16, k1 + 1 - c0));
+    for (int r = 0; r < real; ++r) {
+      const V16 e = m[r] == -INFINITY ? vzero() : exp16(vsub(vload(sb.data() + r * row + 16 * c), vset1(m[r])));
+      vstore(p + r * 16, e);
+      sum[r] = vadd(sum[r], e);
     }
     for (int r0 = 0; r0 < real; r0 += 8) {
       chunk_values_rows<T>(std::min(8, real - r0), p + r0 * 16, nk, slots + c0, vc, nkv, tl.kv_head, hd,
                            acc + r0 * ld, ld);
     }
   }
+  for (int r = 0; r < real; ++r) l[r] = vsum(sum[r]);
   for (int r = 0; r < real; ++r) {
     const int64_t tok = tl.token0 + r / tl.nheads, head = tl.kv_head * G + tl.head0 + r % tl.nheads;
     float scale = 0.0f;
@@ -316,13 +395,13 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
 
 template <typename T>
 inline void attend(const Tile& tl, const Batch& bt, const T* q, const T* kc, const T* vc, T* out, float* kt,
-                   float* qf, float* acc) {
+                   float* qf, float* acc, std::vector<float>& sb) {
   const int real = tl.ntok * tl.nheads;
-  if (real <= 1) attend_tile<T, 1>(tl, bt, q, kc, vc, out, kt, qf, acc);
-  else if (real <= 2) attend_tile<T, 2>(tl, bt, q, kc, vc, out, kt, qf, acc);
-  else if (real <= 4) attend_tile<T, 4>(tl, bt, q, kc, vc, out, kt, qf, acc);
-  else if (real <= 8) attend_tile<T, 8>(tl, bt, q, kc, vc, out, kt, qf, acc);
-  else attend_tile<T, 16>(tl, bt, q, kc, vc, out, kt, qf, acc);
+  if (real <= 1) attend_tile<T, 1>(tl, bt, q, kc, vc, out, kt, qf, acc, sb);
+  else if (real <= 2) attend_tile<T, 2>(tl, bt, q, kc, vc, out, kt, qf, acc, sb);
+  else if (real <= 4) attend_tile<T, 4>(tl, bt, q, kc, vc, out, kt, qf, acc, sb);
+  else if (real <= 8) attend_tile<T, 8>(tl, bt, q, kc, vc, out, kt, qf, acc, sb);
+  else attend_tile<T, 16>(tl, bt, q, kc, vc, out, kt, qf, acc, sb);
 }
 
 template <typename T>
@@ -370,7 +449,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::T
   const int64_t n = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     const int64_t ld = (hd + 31) / 32 * 32;
-    std::vector<float> kt(ld * 16), qf(16 * ld), acc(16 * ld);
+    std::vector<float> kt(ld * 16), qf(16 * ld), acc(16 * ld), sb;
     for (int64_t i = next++; i < n; i = next++) {
       if (i + 1 < n) {  // the first keys of the tile that comes next (likely this thread's)
         const Tile& nt = tiles[i + 1];
@@ -379,7 +458,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::T
                       kc.data_ptr<T>(), vc.data_ptr<T>(), nkv, nt.kv_head, hd);
       }
       attend<T>(tiles[i], bt, q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), kt.data(),
-                qf.data(), acc.data());
+                qf.data(), acc.data(), sb);
     }
   });
 }
