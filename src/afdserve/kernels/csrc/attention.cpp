@@ -165,6 +165,9 @@ inline void prefetch_rows(const int64_t* slots, int64_t c0, int64_t c1, const T*
   }
 }
 
+// chunks of keys (and values) a tile asks for ahead of their use
+constexpr int64_t kAhead = 2;
+
 // The first key position a tile reads (aligned to 16), as attend_tile computes it.
 inline int64_t first_key(const Tile& tl, const Batch& bt) {
   if (bt.window <= 0) return 0;
@@ -318,11 +321,11 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) top[r] = vset1(-INFINITY);
   // pass 1: every chunk's scores (-inf where a vector does not attend), and each vector's maximum
-  prefetch_rows(slots, k0, std::min(k0 + 16, k1 + 1), kc, vc, nkv, tl.kv_head, hd);
+  prefetch_rows(slots, k0, std::min(k0 + 16 * kAhead, k1 + 1), kc, vc, nkv, tl.kv_head, hd);
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t c0 = k0 + 16 * c;
     const int nk = static_cast<int>(std::min<int64_t>(16, k1 + 1 - c0));
-    prefetch_rows(slots, c0 + 16, std::min(c0 + 32, k1 + 1), kc, vc, nkv, tl.kv_head, hd);  // the next chunk
+    prefetch_rows(slots, c0 + 16 * kAhead, std::min(c0 + 16 * (kAhead + 1), k1 + 1), kc, vc, nkv, tl.kv_head, hd);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if constexpr (pairs) {
       if (by_pairs) {
@@ -454,7 +457,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kc, const at::T
       if (i + 1 < n) {  // the first keys of the tile that comes next (likely this thread's)
         const Tile& nt = tiles[i + 1];
         const int64_t c0 = first_key(nt, bt);
-        prefetch_rows(bt.slots + bt.slot0[nt.seq], c0, std::min<int64_t>(c0 + 16, bt.kv_lens[nt.seq]),
+        prefetch_rows(bt.slots + bt.slot0[nt.seq], c0, std::min<int64_t>(c0 + 16 * kAhead, bt.kv_lens[nt.seq]),
                       kc.data_ptr<T>(), vc.data_ptr<T>(), nkv, nt.kv_head, hd);
       }
       attend<T>(tiles[i], bt, q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), out.data_ptr<T>(), kt.data(),
