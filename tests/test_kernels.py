@@ -373,3 +373,54 @@ def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.split() == ["[False]", "True"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_attention_half_is_the_layer_call_by_call(arch, dtype, tmp_path, monkeypatch):
+    """``attention_half`` (one call a layer) gives the bits of the kernels called one by one from
+    Python: h, y, the routing and the caches, for decodes and prefill pieces in one batch; with QKV
+    biases (Qwen2-MoE), q/k norms (Qwen3-MoE), sinks, output biases, windows and a biased router
+    (gpt-oss, whose router stays in Python)."""
+    needs("attention_half", dtype)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import make_checkpoint, make_gpt_oss_checkpoint
+
+    from afdserve.kvcache.cache import KVCache
+    from afdserve.model.attention import AttentionPart, AttnMetadata
+    from afdserve.model.model import AttentionModel
+
+    path = make_gpt_oss_checkpoint(tmp_path / "m") if arch == "gpt_oss" else make_checkpoint(tmp_path / "m", arch)
+    model = AttentionModel.load(path, dtype)
+    cfg, bs = model.cfg, 4
+    qlens, kv_lens = [1, 6, 1, 1, 3], [9, 6, 20, 2, 13]
+    g = torch.Generator().manual_seed(0)
+    perm, tables, i = torch.randperm(40, generator=g).tolist(), [], 0
+    for n in kv_lens:
+        tables.append(perm[i: i + -(-n // bs)])
+        i += len(tables[-1])
+    meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, bs).to(torch.device("cpu"), model.windows)
+    x = torch.randn(sum(qlens), cfg.hidden_size, generator=g).to(dtype)
+    cos_sin = model.rotary.cos_sin(meta.positions, dtype)
+
+    def run(fused: bool):
+        kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, bs, dtype)
+        kv.k.normal_(generator=torch.Generator().manual_seed(1))
+        kv.v.normal_(generator=torch.Generator().manual_seed(2))
+        if not fused:
+            monkeypatch.setattr(AttentionPart, "fused", lambda *a, **k: None)
+        outs = [model.pre_moe(layer, x, cos_sin, meta, kv) for layer in range(cfg.num_layers)]
+        monkeypatch.undo()
+        return outs, kv
+
+    calls = []
+    real = AttentionPart.fused
+    monkeypatch.setattr(AttentionPart, "fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, kv_got = run(True)
+    assert len(calls) == cfg.num_layers  # the fused kernel ran for every layer
+    want, kv_want = run(False)
+    for g_, w_ in zip(got, want):
+        for a, b in zip(g_, w_):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(kv_got.k, kv_want.k) and torch.equal(kv_got.v, kv_want.v)

@@ -31,7 +31,8 @@ import torch
 from afdserve.config import cache_root
 
 NAME = "afdserve_kernels"
-SOURCES = ("ops.cpp", "lend.cpp", "claims.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp")
+SOURCES = ("ops.cpp", "lend.cpp", "claims.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp",
+           "attention_half.cpp")
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the library links libgomp.so.1, which
 # resolves to the copy torch already loaded: one thread pool, sized by torch.set_num_threads)
 CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
@@ -46,7 +47,7 @@ class Loaded:
 
 
 _state: Loaded | None = None
-KERNELS = ("fused_moe", "linear", "paged_attention", "rms_norm", "rope_cache")
+KERNELS = ("fused_moe", "linear", "paged_attention", "rms_norm", "rope_cache", "attention_half")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from afdserve import kernels
-from afdserve.kernels.attention import paged_attention
+from afdserve.kernels.attention import attention_half, paged_attention
 from afdserve.kernels.layers import rope_cache
 from afdserve.kvcache.block_manager import block_slots
 from afdserve.model.config import ModelConfig
 from afdserve.model.layers import RMSNorm, sdpa
-from afdserve.model.linear import Linear
+from afdserve.model.linear import Linear, kernel_weight
 from afdserve.model.prefill_groups import PrefillGroup, SlotSource, plan
 from afdserve.model.rope import apply_rotary
 
@@ -282,6 +282,31 @@ class AttentionPart(nn.Module):
         out = paged_attention(q.contiguous(), k_cache, v_cache, tables, kv_lens, cu_q, block_size, self.window,
                               self.scale, sinks)
         return self._output(x, out)
+
+    def fused(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata,
+              k_cache: torch.Tensor, v_cache: torch.Tensor,
+              router_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``forward`` in one kernel call (``kernels.attention.attention_half``), with the logits of a
+        router of weight ``router_w`` (float32, ``Router.route``'s input; empty without one); None
+        where that kernel does not run (no block tables, a dtype or device it lacks, weights the
+        linear kernel does not multiply)."""
+        if meta.block_tables is None or x.dim() != 2 or not kernels.supports("attention_half", x):
+            return None
+        if not (x.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        qkv_w, o_w = kernel_weight(x, self.qkv.weight), kernel_weight(x, self.o_proj.weight)
+        r_w = None if router_w is None else kernel_weight(x, router_w)
+        if qkv_w is None or o_w is None or (router_w is not None and r_w is None):
+            return None
+        cfg = self.cfg
+        qkv_b, o_b = self.qkv.bias, self.o_proj.bias
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        return attention_half(x, self.input_norm.weight, qkv_w, None if qkv_b is None else qkv_b.float(), *cos_sin,
+                              k_cache, v_cache, meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, *norms,
+                              meta.block_tables, *meta.lens(), meta.block_size, self.window, self.scale,
+                              None if self.sinks is None else self.sinks.float(), o_w,
+                              None if o_b is None else o_b.float(), self.post_norm.weight, r_w,
+                              0 if router_w is None else router_w.shape[0], cfg.rms_norm_eps)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:

@@ -151,6 +151,12 @@ def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, best: Best, start: int = 0,
     best.merge(logits.gather(1, idx[:, None])[:, 0], idx + start)
 
 
+def kernel_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of ``w`` afdserve's linear kernel multiplies ``x`` with (made once), or None
+    where ``linear`` would not run that kernel for ``x`` (what a fused kernel built of it needs)."""
+    return _packed_weight(w, PLAIN, True) if _rows_kernel(x, w) else None
+
+
 def _rows_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
     """``linear_rows`` runs afdserve's kernel on the packed copy of the whole ``w`` (not compiling)."""
     return packs(x, w) and _kernel(x) and not torch.compiler.is_compiling()

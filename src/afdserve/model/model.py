@@ -88,6 +88,15 @@ class AttentionModel(nn.Module):
             out = self._compiled_decode(layer, x, cos_sin, meta, kv) if compiled else None
             if out is not None:
                 return out
+            router = self.routers[str(layer)] if self.cfg.is_moe(layer) else None
+            plain = router is not None and router.plain_logits
+            fused = self.attn[layer].fused(x, cos_sin, meta, kv.keys(layer), kv.values(layer),
+                                           router.weight if plain else None)
+            if fused is not None:  # one kernel call for the attention half (and the router's logits)
+                h, y, logits = fused
+                if router is None:
+                    return h, y, None, None
+                return (h, y, *router.route(logits)) if plain else (h, y, *router(y))
             h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
         if not self.cfg.is_moe(layer):
             return h, y, None, None

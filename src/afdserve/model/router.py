@@ -50,15 +50,23 @@ class Router(nn.Module):
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         return mask[:, :, None].expand(-1, -1, e // self.n_group).reshape(t, e)
 
+    @property
+    def plain_logits(self) -> bool:
+        """Its logits are ``linear(y, weight)`` widened to float32, as a fused kernel computes them
+        (``route`` takes them from there)."""
+        return self.logit_bias is None and not self.fp32_logits
+
     def forward(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
         if self.logit_bias is not None:  # gpt-oss
             top, ids = torch.topk(linear(y, self.weight, self.logit_bias).float(), self.top_k, dim=-1)
             return ids, F.softmax(top, dim=-1)
         if self.fp32_logits:
-            logits = F.linear(y.float(), self.weight.float())
-        else:
-            logits = linear(y, self.weight).float()
+            return self.route(F.linear(y.float(), self.weight.float()))
+        return self.route(linear(y, self.weight).float())
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids, topk_weights) from the float32 logits [T, E] (not gpt-oss's: ``forward``)."""
         if self.scoring == "sigmoid":
             scores = logits.sigmoid()
             choice = scores + self.bias

@@ -13,6 +13,7 @@
 // sequence, taken dynamically by the threads. A tile's keys are read in chunks of 16, converted to
 // float32 and transposed, so its scores are 16-wide FMAs; softmax in two passes over a score buffer;
 // values are accumulated per query vector over the kept probabilities.
+#include "calls.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -499,6 +500,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 }  // namespace
+
+at::Tensor call_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& kv_lens, const at::Tensor& cu_q,
+                                int64_t block_size, int64_t window, double scale, const c10::optional<at::Tensor>& sinks) {
+  return paged_attention(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale, sinks);
+}
+
 }  // namespace afd
 
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {

@@ -9,6 +9,7 @@
 //   q_w, k_w [D]), rotates the first R = cos.size(1) dimensions half-split (x*cos + rotate(x)*sin,
 //   each product and the sum rounded to the dtype) and writes k and v into the caches at `slots`;
 //   returns q [T, heads, D].
+#include "calls.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -212,6 +213,19 @@ at::Tensor rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 #endif  // AFD_VEC
 
 }  // namespace
+
+#if defined(AFD_VEC)
+std::tuple<at::Tensor, at::Tensor> call_norm(const at::Tensor& x, const at::Tensor& w, double eps,
+                                             const c10::optional<at::Tensor>& residual) {
+  return norm(x, w, eps, residual);
+}
+at::Tensor call_rope_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads,
+                           const c10::optional<at::Tensor>& q_w, const c10::optional<at::Tensor>& k_w, double eps) {
+  return rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, eps);
+}
+#endif
+
 }  // namespace afd
 
 #if defined(AFD_VEC)

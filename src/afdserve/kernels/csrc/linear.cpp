@@ -3,6 +3,7 @@
 // streams a disjoint part of the weight once. The output may be float32 whatever x's dtype (the
 // LM head's logits, without a rounding to bfloat16 and a copy). A big one (the LM head) runs in
 // chunks that the threads idle workers lend take too (lend.h).
+#include "calls.h"
 #include "gemm.h"
 #include "lend.h"
 
@@ -230,6 +231,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 }
 
 }  // namespace
+
+at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
+                       c10::optional<at::ScalarType> out_dtype) {
+  return linear(x, w, bias, n, out_dtype);
+}
+
 }  // namespace afd
 
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {

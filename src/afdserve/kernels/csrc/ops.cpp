@@ -19,6 +19,7 @@ bool supported(const std::string& kernel, c10::ScalarType dt) {
   if (kernel == "paged_attention") return attention_supported(dt);
   if (kernel == "rms_norm" || kernel == "rope_cache") return layers_supported(dt);
   if (kernel == "linear") return linear_supported(dt);
+  if (kernel == "attention_half") return layers_supported(dt) && linear_supported(dt) && attention_supported(dt);
   return false;
 }
 
