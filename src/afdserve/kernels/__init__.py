@@ -3,7 +3,9 @@
 * ``fused_moe``: every routed (token, expert) pair of a MoE layer in one call over weights packed
   once (``moe.pack_gate_up``, ``moe.pack_down``), no loop over experts, no gathered token copies;
 * ``paged_attention``: decodes and prefills of a step in one call, reading the paged KV cache in
-  place through block tables.
+  place through block tables;
+* ``linear`` (packed weights), ``rms_norm``, ``rope_cache`` (with the KV cache write), and
+  ``attention_half``: all of a layer's attention half in one call.
 
 ``supports(kernel, tensor)`` says whether a kernel runs for that tensor (on the CPU, a dtype the
 build supports, kernels built and loaded); callers keep their PyTorch path for everything else.

@@ -10,9 +10,10 @@
 // softmax has one more logit, sinks[head], that takes weight and adds no value.
 //
 // Work items are tiles of up to 16 query vectors (tokens x heads of one key head) over one
-// sequence, taken dynamically by the threads. A tile's keys are read in chunks of 16, converted to
-// float32 and transposed, so its scores are 16-wide FMAs; softmax in two passes over a score buffer;
-// values are accumulated per query vector over the kept probabilities.
+// sequence, taken dynamically by the threads. A tile's keys are read in chunks of 16 and transposed,
+// so its scores are 16 keys wide: bfloat16 keys with AVX512-BF16 as they are, in pairs of dimensions
+// (vdpbf16ps), others converted to float32 (FMAs). The softmax takes two passes over the tile's
+// scores (their maximum first); values are accumulated per query vector over the probabilities.
 #include "calls.h"
 #include "vec.h"
 
