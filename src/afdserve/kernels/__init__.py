@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from afdserve.kernels.build import load
+from afdserve.kernels.build import DTYPES, KERNELS, load
 
 
 def available() -> bool:
@@ -44,14 +44,13 @@ def ops():
 
 
 def supports(kernel: str, x: torch.Tensor) -> bool:
-    """Whether ``kernel`` runs for ``x``'s device and dtype here."""
+    """Whether ``kernel`` runs for ``x``'s device and dtype here. The answers for every kernel and
+    dtype are asked once, together, so that code ``torch.compile`` traces only reads a table."""
     if x.device.type != "cpu" or not load().ok:
         return False
-    key = (kernel, x.dtype)
-    hit = _supported.get(key)
-    if hit is None:
-        hit = _supported[key] = bool(torch.ops.afdserve_kernels.supported(kernel, x.dtype))
-    return hit
+    if not _supported:
+        _supported.update({(k, dt): bool(torch.ops.afdserve_kernels.supported(k, dt)) for k in KERNELS for dt in DTYPES})
+    return _supported.get((kernel, x.dtype), False)
 
 
 _supported: dict[tuple[str, torch.dtype], bool] = {}
