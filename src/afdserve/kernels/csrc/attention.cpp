@@ -228,7 +228,7 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
     }
   }
   // pass 2: probabilities (unnormalized) and the values
-  float m[R], l[R];
+  float m[R];
   V16 sum[R];
   for (int r = 0; r < real; ++r) {
     m[r] = vhmax(top[r]);
@@ -248,17 +248,16 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
                            acc + r0 * ld, ld);
     }
   }
-  for (int r = 0; r < real; ++r) l[r] = vsum(sum[r]);
   for (int r = 0; r < real; ++r) {
     const int64_t tok = tl.token0 + r / tl.nheads, head = tl.kv_head * G + tl.head0 + r % tl.nheads;
-    float scale = 0.0f;
+    float l = vsum(sum[r]), scale = 0.0f;
     if (bt.sinks != nullptr) {  // the sink's logit joins the softmax
       const float sink = bt.sinks[head], mnew = std::max(m[r], sink);
       const float corr = std::exp(m[r] - mnew);
-      l[r] = l[r] * corr + std::exp(sink - mnew);
-      scale = corr / l[r];
-    } else if (l[r] > 0.0f) {
-      scale = 1.0f / l[r];
+      l = l * corr + std::exp(sink - mnew);
+      scale = corr / l;
+    } else if (l > 0.0f) {
+      scale = 1.0f / l;
     }
     T* dst = out + (tok * nh + head) * hd;
     for (int64_t d = 0; d < nd; ++d) {

@@ -48,8 +48,6 @@ inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
   return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(lo)), _MM_CMPINT_NLT) &
          _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(hi)), _MM_CMPINT_LE);
 }
-inline float keep_max(Keep k, V16 s) { return _mm512_mask_reduce_max_ps(k, s); }
-inline V16 keep_only(Keep k, V16 v) { return _mm512_maskz_mov_ps(k, v); }
 // the kept lanes of v, -inf in the others
 inline V16 keep_or_minf(Keep k, V16 v) { return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), k, v); }
 
@@ -86,28 +84,13 @@ inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
   const int64_t j0 = std::max<int64_t>(0, lo - c0), j1 = std::min<int64_t>(15, hi - c0);
   return j0 > j1 ? 0u : ((2u << j1) - 1u) & ~((1u << j0) - 1u);
 }
-inline float keep_max(Keep k, V16 s) {
-  alignas(32) float t[16];
-  vstore(t, s);
-  float m = -INFINITY;
-  for (int j = 0; j < 16; ++j) if (k >> j & 1u) m = std::max(m, t[j]);
-  return m;
-}
-inline V16 keep_only(Keep k, V16 v) {
-  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256i lo = _mm256_set1_epi32(static_cast<int32_t>(k & 0xffu)), hi = _mm256_set1_epi32(static_cast<int32_t>(k >> 8));
-  const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));
-  const __m256 mh = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit));
-  return {_mm256_and_ps(v.lo, ml), _mm256_and_ps(v.hi, mh)};
-}
 inline V16 keep_or_minf(Keep k, V16 v) {
-  const V16 kept = keep_only(k, v);
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i lo = _mm256_set1_epi32(static_cast<int32_t>(k & 0xffu)), hi = _mm256_set1_epi32(static_cast<int32_t>(k >> 8));
   const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));
   const __m256 mh = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(hi, bit), bit));
   const __m256 minf = _mm256_set1_ps(-INFINITY);
-  return {_mm256_blendv_ps(minf, kept.lo, ml), _mm256_blendv_ps(minf, kept.hi, mh)};
+  return {_mm256_blendv_ps(minf, v.lo, ml), _mm256_blendv_ps(minf, v.hi, mh)};
 }
 
 #endif  // __AVX512F__ / AFD_AVX2
