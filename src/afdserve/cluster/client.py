@@ -14,6 +14,7 @@ import os
 import secrets
 import time
 from dataclasses import replace
+from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator
 
 from afdserve.balance.attention import AttentionBalancer
@@ -37,7 +38,6 @@ from afdserve.planner import attention_request_cost
 from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.control import wait_any
 from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Crashed, FromWorker, GetStats, GetTrace,
                                        PeerLost, Ready, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs,
                                        ToWorker, TraceReply, WorkerSpec)
@@ -348,9 +348,9 @@ class ClusterClient(FrontEnd):
         """Messages that are ready from the workers ``names`` (waits up to ``timeout`` for the first);
         ``None`` for a worker whose channel broke. Read one at a time, so that nothing is read from a
         worker that was replaced while an earlier message was handled."""
-        handles = {self.workers[n].ctl: (n, self.workers[n]) for n in names if not self.workers[n].dead}
-        for ctl in wait_any(list(handles), timeout):
-            name, w = handles[ctl]
+        handles = {self.workers[n].ctl.conn: (n, self.workers[n]) for n in names if not self.workers[n].dead}
+        for conn in wait(list(handles), timeout=timeout):
+            name, w = handles[conn]
             while self.workers.get(name) is w and not w.dead and w.ctl.poll(0):
                 try:
                     msg = w.ctl.recv()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
 from afdserve.errors import WorkerError
-from afdserve.runtime.control import ControlChannel, close_bell, new_bell
+from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.messages import ToWorker, WorkerSpec
 from afdserve.runtime.worker import run_worker
 
@@ -112,7 +112,7 @@ def _die_with_parent(parent: int) -> None:
 # ``python -c``, not ``-m afdserve.cluster.process_launcher``: the package imports this module, and runpy
 # warns when ``-m`` runs a module that its package already imported
 _CHILD = ("import sys; from afdserve.cluster.process_launcher import _child_main; "
-          "_child_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
+          "_child_main(sys.argv[1], int(sys.argv[2]))")
 
 
 def spawn_worker(spec: WorkerSpec) -> Launched:
@@ -128,15 +128,9 @@ def spawn_worker(spec: WorkerSpec) -> Launched:
             env.setdefault("GOMP_SPINCOUNT", "3000")
         # started from one long-lived thread: the child's PR_SET_PDEATHSIG fires when the *thread*
         # that forked it ends, and a replacement may be launched from a short-lived caller thread
-        bell = new_bell()  # the child rings it after each message to us (control.py)
-        fds = tuple(fd for fd in (bell, spec.core_board) if fd is not None)
-        try:
-            proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-c", _CHILD, address, str(os.getpid()),
-                                                      str(-1 if bell is None else bell)],
-                                   stdin=subprocess.PIPE, env=env, pass_fds=fds).result()
-        except BaseException:
-            close_bell(bell)
-            raise
+        proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-c", _CHILD, address, str(os.getpid())],
+                               stdin=subprocess.PIPE, env=env,
+                               pass_fds=(spec.core_board,) if spec.core_board is not None else ()).result()
         assert proc.stdin is not None
         proc.stdin.write(key.hex().encode() + b"\n")
         proc.stdin.close()
@@ -145,19 +139,18 @@ def spawn_worker(spec: WorkerSpec) -> Launched:
             conn = listener.accept()
         except OSError as e:
             proc.kill()
-            close_bell(bell)
             raise WorkerError(f"{spec.name} did not connect back (exit code {proc.poll()}): {e}") from e
     shutil.rmtree(sock_dir, ignore_errors=True)
-    ctl = ControlChannel(conn, bell=bell)
+    ctl = ControlChannel(conn)
     ctl.send(spec)
     return Launched(spec.name, proc, ctl)
 
 
-def _child_main(address: str, parent: int, bell: int) -> None:
+def _child_main(address: str, parent: int) -> None:
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     key = bytes.fromhex(sys.stdin.readline().strip())
-    ctl = ControlChannel(Client(address, family="AF_UNIX", authkey=key), ring=None if bell < 0 else bell)
+    ctl = ControlChannel(Client(address, family="AF_UNIX", authkey=key))
     spec = ctl.recv()
     if not isinstance(spec, WorkerSpec):
         raise WorkerError(f"expected a WorkerSpec first, got {type(spec).__name__}")
@@ -186,4 +179,4 @@ def start_store(host: str = "127.0.0.1") -> Store:
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _child_main(sys.argv[1], int(sys.argv[2]))
