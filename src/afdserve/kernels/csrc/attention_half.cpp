@@ -32,13 +32,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_half(
               && attention_supported(x.scalar_type()), "afdserve attention_half: no kernel for ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && k_cache.dim() == 3, "attention_half: x must be contiguous [T, H]");
   const int64_t t = x.size(0), hidden = x.size(1), hd = k_cache.size(2);
-  const at::Tensor xn = std::get<1>(call_norm(x, in_w, eps, c10::nullopt));
-  const at::Tensor qkv = call_linear(xn, qkv_w, qkv_b, (heads + 2 * kv_heads) * hd, c10::nullopt);
-  const at::Tensor q = call_rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, eps);
-  const at::Tensor a = call_paged_attention(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale,
-                                            sinks);
-  const at::Tensor o = call_linear(a.view({t, heads * hd}), o_w, o_b, hidden, c10::nullopt);
+  // each intermediate is freed once the next is computed, as the module's Python frees them: with
+  // all of them held to the end, a prefill's would take fresh memory (page faults) every call
+  at::Tensor xn = std::get<1>(call_norm(x, in_w, eps, c10::nullopt));
+  at::Tensor qkv = call_linear(xn, qkv_w, qkv_b, (heads + 2 * kv_heads) * hd, c10::nullopt);
+  xn.reset();
+  at::Tensor q = call_rope_cache(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, eps);
+  qkv.reset();
+  at::Tensor a = call_paged_attention(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale,
+                                      sinks);
+  q.reset();
+  at::Tensor o = call_linear(a.view({t, heads * hd}), o_w, o_b, hidden, c10::nullopt);
+  a.reset();
   auto [h, y] = call_norm(o, post_w, eps, x);
+  o.reset();
   at::Tensor logits = router_w.has_value() ? call_linear(y, *router_w, c10::nullopt, experts, c10::nullopt).to(at::kFloat)
                                            : at::empty({0}, x.options().dtype(at::kFloat));
   return {h, y, logits};
