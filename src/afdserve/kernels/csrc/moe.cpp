@@ -97,8 +97,13 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   }
   at::Tensor out = at::empty({T_, H}, x.options());
   if (P == 0) return out.zero_();
-  // packed inputs of the two projections, and the down projections' outputs per pair
-  std::vector<uint32_t> a1(groups * u1 * MR * kAW<T>, 0), a2(groups * u2 * MR * kAW<T>, 0);
+  // packed inputs of the two projections, and the down projections' outputs per pair: tensors, so
+  // that a prefill's reuse the allocator's memory; not zeroed (every unit of every row is written
+  // before it is read; a group's rows past its last are never read)
+  at::Tensor a1t = at::empty({groups * u1 * MR * kAW<T>}, x.options().dtype(at::kInt));
+  at::Tensor a2t = at::empty({groups * u2 * MR * kAW<T>}, x.options().dtype(at::kInt));
+  uint32_t* a1 = reinterpret_cast<uint32_t*>(a1t.data_ptr<int32_t>());
+  uint32_t* a2 = reinterpret_cast<uint32_t*>(a2t.data_ptr<int32_t>());
   at::Tensor ybuf = at::empty({P, H}, x.options().dtype(at::kFloat));
   float* yp = ybuf.data_ptr<float>();
   const T* w13p = w13.data_ptr<T>();
@@ -112,7 +117,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
       for (int64_t p = start[e]; p < start[e + 1]; ++p) {
         const int64_t g = group0[e] + (p - start[e]) / per_group[e];
         pack_row<T>(reinterpret_cast<const uint32_t*>(xp + token_of[p] * H), u1,
-                    static_cast<int>((p - start[e]) % per_group[e]), a1.data() + g * u1 * MR * kAW<T>);
+                    static_cast<int>((p - start[e]) % per_group[e]), a1 + g * u1 * MR * kAW<T>);
       }
     }
   });
@@ -129,7 +134,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
       if (rows == 0) continue;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t col = b * 16, ncols = std::min<int64_t>(16, inter - col);
-        block_gemm<T>(a1.data() + group0[e] * u1 * MR * kAW<T>, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data(),
+        block_gemm<T>(a1 + group0[e] * u1 * MR * kAW<T>, rows, u1, w13p + (e * nb1 + b) * H * NB, acc.data(),
                       per_group[e]);
         V16 bg = vzero(), bu = vzero();
         if (b13p != nullptr) {
@@ -139,7 +144,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
         for (int64_t r = 0; r < rows; ++r) {
           const float* gu = acc.data() + r * NB;
           V16 v = activation(vadd(vload(gu), bg), vadd(vload(gu + 16), bu), act, a, l);
-          store_packed<T>(a2.data() + (group0[e] + r / per_group[e]) * u2 * MR * kAW<T>, col,
+          store_packed<T>(a2 + (group0[e] + r / per_group[e]) * u2 * MR * kAW<T>, col,
                           static_cast<int>(r % per_group[e]), v);
         }
       }
@@ -160,7 +165,7 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
           bias0 = load16(b2p + e * H + col, n0);
           if (n1 > 0) bias1 = load16(b2p + e * H + col + 16, n1);
         }
-        block_gemm<T>(a2.data() + group0[e] * u2 * MR * kAW<T>, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data(),
+        block_gemm<T>(a2 + group0[e] * u2 * MR * kAW<T>, rows, u2, w2p + (e * nb2 + c) * ipad * NB, acc.data(),
                       per_group[e]);
         for (int64_t r = 0; r < rows; ++r) {
           float* y = yp + (start[e] + r) * H + col;
