@@ -7,7 +7,11 @@ subprocess per deployment (JSON lines on stdin/stdout); greedy token ids of both
 
     python benchmarks/ab_trees.py --base REV [--new PATH_OR_REV] [--rounds 5] [--batches 8,64]
         [--prompt-len 32] [--max-tokens 64] [--deployments colocated,disagg] [--json out/ab_trees.json]
-        [--threads N] [--new-options '{"compile": true}']
+        [--threads N] [--new-options '{"compile": true}'] [--fresh-prompts]
+
+Without ``--fresh-prompts`` every round sends the same prompts, so after the first round their
+prefills hit the prefix cache and tok/s is nearly all decode; with it, every call sends new prompts
+(the same on both sides) and tok/s includes the prefills.
 
 --base/--new take a git revision (checked out into a temporary worktree, removed at exit) or the
 path of a source tree; --new defaults to this checkout, uncommitted changes included.
@@ -61,8 +65,8 @@ def worker(cfg: dict) -> None:
     llm = LLM(None, cfg["dtype"], max_num_seqs=max_b, block_size=block, num_kv_blocks=blocks,
               **DEPLOYMENTS[cfg["deployment"]] | cfg["options"])
 
-    def generate(batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
-        rng = random.Random(batch)  # the same prompts on both sides
+    def generate(batch: int, max_tokens: int, seed: int) -> tuple[float, list[list[int]]]:
+        rng = random.Random(seed)  # the same prompts on both sides
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(cfg["prompt_len"])]}
                    for _ in range(batch)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -70,11 +74,11 @@ def worker(cfg: dict) -> None:
         outs = llm.generate(prompts, params)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
-    generate(max_b, 4)  # warm-up: first calls pay one-off costs
+    generate(max_b, 4, -1)  # warm-up: first calls pay one-off costs
     proto.write(json.dumps({"ready": True, "afdserve": afdserve.__file__, "torch": torch.__version__}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
-        seconds, ids = generate(cmd["batch"], cmd["max_tokens"])
+        seconds, ids = generate(cmd["batch"], cmd["max_tokens"], cmd["seed"])
         digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
         proto.write(json.dumps({"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids_hash": digest}) + "\n")
     llm.shutdown()
@@ -118,9 +122,9 @@ class Engine:
         tail = "; its log ends:\n    " + "\n    ".join(lines) if lines else "; its log is empty"
         return RuntimeError(f"engine {self.name} {what}{tail}")
 
-    def run(self, batch: int, max_tokens: int) -> dict:
+    def run(self, batch: int, max_tokens: int, seed: int) -> dict:
         try:
-            self.proc.stdin.write(json.dumps({"batch": batch, "max_tokens": max_tokens}) + "\n")
+            self.proc.stdin.write(json.dumps({"batch": batch, "max_tokens": max_tokens, "seed": seed}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise self._error(f"died (exit code {self.proc.wait()})") from None
@@ -168,8 +172,11 @@ def run_rounds(args, engines: dict, batches: list[int]) -> list[dict]:
         for dep in args.deployments:
             for b in batches:
                 rec = {"round": r, "deployment": dep, "batch": b, "order": order}
+                # the same prompts every round (after the first, their prefills hit the prefix cache), or
+                # with --fresh-prompts new ones for every call (the same on both sides)
+                seeds = (b, b) if not args.fresh_prompts else (1000 * (2 * r + 1) + b, 1000 * (2 * r + 2) + b)
                 for side in order:
-                    one, full = engines[side, dep].run(b, 1), engines[side, dep].run(b, args.max_tokens)
+                    one, full = engines[side, dep].run(b, 1, seeds[0]), engines[side, dep].run(b, args.max_tokens, seeds[1])
                     rec[side] = {"t1": one["seconds"], "tN": full["seconds"], "tokens": full["tokens"],
                                  "hash1": one["token_ids_hash"], "hashN": full["token_ids_hash"],
                                  "tok_s": full["tokens"] / full["seconds"],
@@ -189,7 +196,8 @@ def summarize(raw: list[dict], args, batches: list[int]) -> list[dict]:
         for b in batches:
             recs = [x for x in raw if x["deployment"] == dep and x["batch"] == b]
             row = {"deployment": dep, "batch": b, "identical": all(
-                x["base"][h] == x["new"][h] == recs[0]["base"][h] for x in recs for h in ("hash1", "hashN"))}
+                x["base"][h] == x["new"][h] == (x if args.fresh_prompts else recs[0])["base"][h]
+                for x in recs for h in ("hash1", "hashN"))}
             for key in ("tok_s", "decode_tok_s"):
                 ratios = [x["ratio_" + key] for x in recs]
                 row.update({f"base_{key}": statistics.median(x["base"][key] for x in recs),
@@ -223,6 +231,9 @@ def main() -> None:
     ap.add_argument("--json", default="out/ab_trees.json")
     ap.add_argument("--threads", type=int, help="torch threads per engine process (default: the deployment's; "
                     "1 on a loaded machine, where 2 threads per process wait on each other)")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="new prompts for every call (the same on both sides): prefills are computed, not found "
+                         "in the prefix cache, so tok/s includes them")
     ap.add_argument("--new-options", type=json.loads, default={},
                     help="JSON object of engine options (LLM keywords) given to the new side only")
     args = ap.parse_args()
@@ -270,7 +281,7 @@ def main() -> None:
               "trees": {side: {"spec": getattr(args, side), "path": str(trees[side]), "revision": revs[side]}
                         for side in trees},
               "engines": imported,
-              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments",
+              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments", "fresh_prompts",
                                                           "threads", "new_options")}
               | {"batches": batches, "engine_options": {d: DEPLOYMENTS[d] for d in args.deployments}},
               "summary": rows, "rounds": raw}
