@@ -176,7 +176,8 @@ def run_rounds(args, engines: dict, batches: list[int]) -> list[dict]:
                 # with --fresh-prompts new ones for every call (the same on both sides)
                 seeds = (b, b) if not args.fresh_prompts else (1000 * (2 * r + 1) + b, 1000 * (2 * r + 2) + b)
                 for side in order:
-                    one, full = engines[side, dep].run(b, 1, seeds[0]), engines[side, dep].run(b, args.max_tokens, seeds[1])
+                    one = engines[side, dep].run(b, 1, seeds[0])
+                    full = engines[side, dep].run(b, args.max_tokens, seeds[1])
                     rec[side] = {"t1": one["seconds"], "tN": full["seconds"], "tokens": full["tokens"],
                                  "hash1": one["token_ids_hash"], "hashN": full["token_ids_hash"],
                                  "tok_s": full["tokens"] / full["seconds"],
@@ -281,8 +282,8 @@ def main() -> None:
               "trees": {side: {"spec": getattr(args, side), "path": str(trees[side]), "revision": revs[side]}
                         for side in trees},
               "engines": imported,
-              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments", "fresh_prompts",
-                                                          "threads", "new_options")}
+              "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments",
+                                                          "fresh_prompts", "threads", "new_options")}
               | {"batches": batches, "engine_options": {d: DEPLOYMENTS[d] for d in args.deployments}},
               "summary": rows, "rounds": raw}
     if args.json:
