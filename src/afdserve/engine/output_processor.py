@@ -55,6 +55,8 @@ class _Request:
         if o.num_cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = o.num_cached_tokens
         p = o.prefill
+        if p is None and self.prefill is not None and self.prefill.done == self.prefill.total:
+            return  # complete already (a decode step's token, the common case)
         if p is None and o.new_token_ids:  # a token: the prefill is complete
             total = self.prefill.total if self.prefill is not None else len(self.prompt_token_ids)
             p = PrefillProgress(total, total)
@@ -63,6 +65,8 @@ class _Request:
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:
+            return self.seqs[0].finish_reason is not None
         return all(s.finish_reason is not None for s in self.seqs)
 
 
