@@ -93,6 +93,31 @@ def test_fused_moe_gives_a_pair_its_bits_whatever_the_rows_beside_it(dtype):
         assert torch.equal(fused_moe(x[:rows], w13, w2, ids[:rows], w[:rows], local, 32), alone[:rows]), rows
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_moe_reads_no_scratch_it_did_not_write(dtype):
+    """The kernel's packed activations are not zeroed (every unit of a real row is written before it
+    is read): with memory the allocator hands back full of NaNs, results stay the reference's."""
+    needs("fused_moe", dtype)
+    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+
+    g = torch.Generator().manual_seed(11)
+    tokens, hidden, inter, experts = 70, 96, 40, 5  # groups of uneven rows; inter not a multiple of 16
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.1).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 2, generator=g), -1)
+    local = torch.arange(experts)
+    want = fused_moe(x, pack_gate_up(w1), pack_down(w2), ids, w, local, inter)
+    assert torch.isfinite(want.float()).all()
+    w13, w2p = pack_gate_up(w1), pack_down(w2)
+    for size in (1 << 12, 1 << 15, 1 << 18):  # freed NaN blocks of the sizes the kernel's buffers take
+        poison = [torch.full((size,), float("nan")) for _ in range(4)]
+        del poison
+        assert torch.equal(fused_moe(x, w13, w2p, ids, w, local, inter), want), size
+
+
 def _attention_reference(q, kc, vc, tables, kv_lens, cu_q, bs, window, scale, sinks):
     out = torch.zeros(q.shape, dtype=torch.float64)
     nh, nkv = q.shape[1], kc.shape[1]
