@@ -92,12 +92,12 @@ class AttentionModel(nn.Module):
             plain = router is not None and router.plain_logits
             fused = self.attn[layer].fused(x, cos_sin, meta, kv.keys(layer), kv.values(layer),
                                            router.weight if plain else None)
-            if fused is not None:  # one kernel call for the attention half (and the router's logits)
+            if fused is None:
+                h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
+            else:  # one kernel call for the attention half (and a plain router's logits)
                 h, y, logits = fused
-                if router is None:
-                    return h, y, None, None
-                return (h, y, *router.route(logits)) if plain else (h, y, *router(y))
-            h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
+                if plain:
+                    return (h, y, *router.route(logits))
         if not self.cfg.is_moe(layer):
             return h, y, None, None
         ids, w = self.routers[str(layer)](y)
