@@ -146,7 +146,6 @@ inline void chunk_values_rows(int rb, const float* p, int nk, const int64_t* slo
   }
 }
 
-
 // One tile: R query vectors (tokens x heads of one key head, R in {1, 2, 4, 8, 16}: the tile's
 // real vectors padded with ones that attend nothing) of one sequence, over the keys any of them
 // attends, 16 at a time. The softmax takes two passes over the tile's scores (kept in `sb`): the
