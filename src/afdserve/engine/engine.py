@@ -141,12 +141,12 @@ class Engine:
                 self.last_step = StepStats()
             return None
         input_ids: list[int] = []
-        tables, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
+        seq_ids, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
             start, total = seq.num_computed, seq.num_computed + n
             first_row = len(input_ids)
             input_ids.extend(seq.tokens(start, total))
-            tables.append(self.blocks.block_table(seq.seq_id))
+            seq_ids.append(seq.seq_id)
             kv_lens.append(total)
             qlens.append(n)
             if seq.params.prompt_logprobs is not None:  # row r predicts prompt token r + 1
@@ -159,7 +159,7 @@ class Engine:
                 partial.append(seq)
         rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
         order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
-        meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, self.blocks.block_size)
+        meta = AttnMetadata.from_table(qlens, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
         greedy = bool(sampled) and not prompt_rows and all(plain_greedy(seq) for seq, _ in sampled)
         return StepInputs(batch, torch.tensor(input_ids, dtype=torch.int64), meta,
                           rows if order is None else rows[order], order, sampled, prompt_rows, partial, t0, greedy)

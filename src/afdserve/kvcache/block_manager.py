@@ -12,6 +12,11 @@ whole prefix before it matched, and only full blocks are shared (a shared block 
 A sequence whose oldest tokens no layer attends to any more (sliding windows) gives their blocks
 back early (``release_before``): its table then holds the live blocks only (after
 ``num_released`` given back), and the slots of the released positions read as -1.
+
+Besides each sequence's list, the manager keeps every live sequence's blocks as a row of one
+persistent int32 array (``BlockRows``), written only where a table changes (blocks taken, given
+back, freed), so that a step's block tables are one gather of its sequences' rows (``batch_table``),
+not a table rebuilt from lists on every step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from afdserve.kvcache.cache import KVCache
@@ -34,6 +40,66 @@ def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
     out = t * block_size + torch.arange(block_size, device=t.device)
     # masked_fill_, not torch.where: where broadcasting the mask is much slower on the CPU (step_metadata.py)
     return out.masked_fill_((t < 0).expand_as(out), -1).flatten(-2)
+
+
+class BlockRows:
+    """Block tables as rows of one int32 array that persists across steps: a row per live sequence
+    (position j of a row holds the sequence's block j, -1 where given back or not taken), grown by
+    doubling when rows or columns run out; ``count[row]`` is the row's length in blocks."""
+
+    def __init__(self, rows: int = 64, cols: int = 16):
+        if rows < 1 or cols < 2:
+            raise ValueError("BlockRows needs at least 1 row and 2 columns")
+        self.array = np.full((rows, cols), -1, dtype=np.int32)
+        self.count = np.zeros(rows, dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
+
+    def row(self, seq_id: int) -> int:
+        """The row of ``seq_id`` (taking a free one, or growing the array, the first time)."""
+        r = self.row_of.get(seq_id)
+        if r is None:
+            if not self._free_rows:
+                n = self.array.shape[0]
+                self.array = np.concatenate([self.array, np.full_like(self.array, -1)])
+                self.count = np.concatenate([self.count, np.zeros(n, dtype=np.int64)])
+                self._free_rows = list(range(2 * n - 1, n - 1, -1))
+            r = self.row_of[seq_id] = self._free_rows.pop()
+        return r
+
+    def write(self, seq_id: int, start: int, blocks: list[int]) -> None:
+        """Blocks ``blocks`` at positions ``[start, start + len(blocks))`` of the sequence's row."""
+        r, end = self.row(seq_id), start + len(blocks)
+        if end > self.array.shape[1]:
+            cols = max(end, 2 * self.array.shape[1])
+            wider = np.full((self.array.shape[0], cols), -1, dtype=np.int32)
+            wider[:, : self.array.shape[1]] = self.array
+            self.array = wider
+        self.array[r, start:end] = blocks
+        self.count[r] = max(int(self.count[r]), end)
+
+    def clear(self, seq_id: int, start: int, end: int) -> None:
+        """Positions ``[start, end)`` of the sequence's row read -1 (blocks given back)."""
+        r = self.row_of.get(seq_id)
+        if r is not None:
+            self.array[r, start:end] = -1
+
+    def drop(self, seq_id: int) -> None:
+        r = self.row_of.pop(seq_id, None)
+        if r is not None:
+            self.array[r, : self.count[r]] = -1
+            self.count[r] = 0
+            self._free_rows.append(r)
+
+    def gather(self, seq_ids: list[int]) -> np.ndarray:
+        """[len(seq_ids), max(2, longest row)] int32: the rows of ``seq_ids`` (a copy; past a row's
+        length -1). At least 2 columns: a width of 1 would make torch.compile specialize."""
+        rows = np.fromiter((self.row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        if (rows < 0).any():
+            missing = [s for s, r in zip(seq_ids, rows) if r < 0]
+            raise KeyError(f"sequences {missing} hold no blocks")
+        width = max(2, int(self.count[rows].max()) if len(rows) else 0)  # <= the columns (at least 2)
+        return self.array[rows, :width]
 
 
 @dataclass
@@ -64,6 +130,7 @@ class BlockManager:
         self.tables: dict[int, list[int]] = {}  # per sequence: its live blocks (after those released)
         self._committed: dict[int, int] = {}  # per sequence: blocks of its table already registered
         self._released: dict[int, int] = {}  # per sequence: leading blocks given back early
+        self.rows = BlockRows()  # the same tables as rows of one persistent array (batch_table)
         self.prefix, self.kv = prefix, kv
         self.salt = prefix.salt if prefix is not None else None
         self.tiers: Tiers | None = None
@@ -97,12 +164,16 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"KV cache: need {need} blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
-        table.extend(self._take() for _ in range(need))
+        start = self._released.get(seq_id, 0) + len(table)
+        new = [self._take() for _ in range(need)]
+        table.extend(new)
+        self.rows.write(seq_id, start, new)
 
     def free(self, seq_id: int) -> None:
         """Releases a sequence's blocks; its cached blocks stay cached until evicted."""
         self._committed.pop(seq_id, None)
         self._released.pop(seq_id, None)
+        self.rows.drop(seq_id)
         self._unref(reversed(self.tables.pop(seq_id, ())))  # its last blocks are evicted first
 
     def num_released(self, seq_id: int) -> int:
@@ -122,6 +193,7 @@ class BlockManager:
         self._unref(table[:n])
         del table[:n]
         self._released[seq_id] = done + n
+        self.rows.clear(seq_id, done, done + n)
         return n
 
     def _unref(self, blocks: Iterable[int]) -> None:
@@ -137,6 +209,11 @@ class BlockManager:
         table = self.tables.get(seq_id, [])
         released = self._released.get(seq_id, 0)
         return [-1] * released + table if released else list(table)
+
+    def batch_table(self, seq_ids: list[int]) -> np.ndarray:
+        """The block tables of ``seq_ids`` as [S, max(2, longest)] int32 rows (-1: given back or past
+        a sequence's blocks): ``block_table`` of each, padded, gathered from the persistent rows."""
+        return self.rows.gather(seq_ids)
 
     def slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Cache slots of token positions [0, num_tokens) of a sequence (-1: given back)."""
@@ -204,6 +281,8 @@ class BlockManager:
         if self.tiers is not None:
             self.tiers.recomputed += hit.recompute + len(hit.lower) - sum(restored.values())
         self._committed[seq_id] = len(table)
+        self.rows.drop(seq_id)  # a row left from an earlier life of the id starts clean
+        self.rows.write(seq_id, 0, table)
         bs, c = self.block_size, self._counts
         if self.prefix is not None:
             c["query_requests"] += 1

@@ -76,6 +76,15 @@ class AttnMetadata:
             arr[i, : len(t)] = t
         return AttnMetadata._from_array(query_lens, kv_lens, arr, block_size)
 
+    @staticmethod
+    def from_table(query_lens: list[int], kv_lens: list[int], table: np.ndarray, block_size: int) -> "AttnMetadata":
+        """As ``from_blocks``, from the tables already as one int32 array [S, max_blocks] (-1 padded;
+        ``BlockManager.batch_table``), which the metadata takes over."""
+        if table.dtype != np.int32 or table.ndim != 2 or table.shape[0] != len(query_lens):
+            raise ValueError(f"block table: int32 [{len(query_lens)}, blocks] expected, "
+                             f"got {table.dtype} {table.shape}")
+        return AttnMetadata._from_array(query_lens, kv_lens, table, block_size)
+
     def select(self, seqs: list[int], query_lens: list[int], kv_lens: list[int]) -> "AttnMetadata":
         """A piece of this batch (a micro-batch): its sequences ``seqs`` with ``query_lens`` new tokens
         and ``kv_lens`` tokens after them (a prefill split across pieces has fewer in the first)."""
