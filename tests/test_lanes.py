@@ -142,8 +142,9 @@ def test_lm_head_shares_are_whole_blocks_that_fit_the_reply_slots(rows, workers)
 
 
 def test_block_table_metadata_equals_the_slot_list_metadata():
-    """``AttnMetadata.from_blocks`` (what the engine builds) describes the same cache positions as
-    ``build`` over per-position slots, released blocks included; a piece of it (``select``) too."""
+    """``AttnMetadata.from_table`` over ``BlockManager.batch_table`` (what the engine builds) describes
+    the same cache positions as ``build`` over per-position slots, released blocks included; a piece
+    of it (``select``) too."""
     import torch
 
     from afdserve.kvcache.block_manager import BlockManager
@@ -159,7 +160,7 @@ def test_block_table_metadata_equals_the_slot_list_metadata():
             bm.release_before(s, n - 5)  # a sliding window gave blocks back
         kv_lens.append(n)
         qlens.append(1 if s % 2 else rng.randrange(1, n + 1))
-    fast = AttnMetadata.from_blocks(qlens, kv_lens, [bm.block_table(s) for s in range(5)], 4)
+    fast = AttnMetadata.from_table(qlens, kv_lens, bm.batch_table(list(range(5))), 4)
     slow = AttnMetadata.build(qlens, [bm.slots(s, n) for s, n in enumerate(kv_lens)])
     assert torch.equal(fast.positions, slow.positions) and torch.equal(fast.slot_mapping, slow.slot_mapping)
     assert all(torch.equal(a, b) for a, b in zip(fast.kv_slots, slow.kv_slots))

@@ -281,7 +281,6 @@ class BlockManager:
         if self.tiers is not None:
             self.tiers.recomputed += hit.recompute + len(hit.lower) - sum(restored.values())
         self._committed[seq_id] = len(table)
-        self.rows.drop(seq_id)  # a row left from an earlier life of the id starts clean
         self.rows.write(seq_id, 0, table)
         bs, c = self.block_size, self._counts
         if self.prefix is not None:

@@ -26,10 +26,11 @@ class AttnMetadata:
 
     The batch is the concatenation of each sequence's new tokens (``query_lens``); after this
     step sequence ``i`` has ``kv_lens[i]`` tokens in the cache. The engine describes the cache by
-    block tables (``from_blocks``: ``block_tables`` [S, max_blocks] int32, -1 for blocks given back
-    because no layer's window reaches them), which the paged attention kernel reads in place; a
-    per-position slot list per sequence (``kv_slots``, -1 where released) is derived from them when
-    a PyTorch path needs it, or given directly (``build``).
+    block tables (``from_table``, or ``from_blocks`` from per-sequence lists: ``block_tables``
+    [S, max_blocks] int32, -1 for blocks given back because no layer's window reaches them), which
+    the paged attention kernel reads in place; a per-position slot list per sequence (``kv_slots``,
+    -1 where released) is derived from them when a PyTorch path needs it, or given directly
+    (``build``).
     """
 
     positions: torch.Tensor  # [T] int64
