@@ -58,3 +58,35 @@ def test_grouped_path_with_pairs_routed_elsewhere(monkeypatch, bias, hidden, int
             gate, up = gu.chunk(2)
             want[t] += w[t, s] * (part.w_down[j] @ (F.silu(gate) * up) + (part.b_down[j] if bias else 0))
     torch.testing.assert_close(part(y, ids, w), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["kernel", "packed", "grouped"])
+def test_expert_part_counts_each_pair_on_every_path(monkeypatch, path):
+    """``counts`` gets each (token, slot) pair's id, those routed elsewhere (id num_experts)
+    included, whichever path computes the layer (the fused kernel counts as it sorts)."""
+    from afdserve import kernels
+    from afdserve.model import experts
+    from afdserve.model.config import ModelConfig
+
+    if path == "kernel" and not kernels.supports("fused_moe", torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("no fused MoE kernel on this machine")
+    if path != "kernel":
+        monkeypatch.setattr(experts, "USE_FUSED_KERNEL", False)
+    if path == "grouped":
+        monkeypatch.setattr(experts, "packs", lambda *a: False)
+    cfg = ModelConfig.from_dict(dict(model_type="mixtral", vocab_size=64, hidden_size=64, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                     num_local_experts=6, num_experts_per_tok=2))
+    part = experts.ExpertPart(cfg, [4, 1, 3], torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    for t in (part.w_gate_up, part.w_down):
+        t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    y = torch.randn(9, 64, generator=g).bfloat16()
+    ids = torch.tensor([[4, 0], [1, 3], [6, 5], [3, 4], [2, 6], [1, 1], [5, 4], [6, 6], [0, 3]], dtype=torch.int32)
+    w = torch.rand(9, 2, generator=g)
+    counts = torch.zeros(7, dtype=torch.int64)
+    out = part(y, ids, w, counts=counts)
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1).long(), minlength=7))
+    torch.testing.assert_close(out, part(y, ids.long(), w), rtol=0, atol=0)  # the counts change nothing else
+    part(y, ids, w, counts=counts)
+    assert torch.equal(counts, 2 * torch.bincount(ids.reshape(-1).long(), minlength=7))

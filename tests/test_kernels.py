@@ -71,6 +71,13 @@ def test_fused_moe_matches_the_reference(dtype, tokens, hidden, inter, experts, 
         got = fused_moe(x, pack_gate_up(w1), pack_down(w2), ids.to(id_dtype), w, local, inter, b1, b2, act).double()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got - want).abs().max() <= tol * max(1.0, want.abs().max()), (id_dtype, (got - want).abs().max())
+        # counts: every pair's id below its length added (the largest id is left out of the shorter one)
+        for n in (experts + 2, experts + 1):
+            counts = torch.full((n,), 3, dtype=torch.int64)
+            again = fused_moe(x, pack_gate_up(w1), pack_down(w2), ids.to(id_dtype), w, local, inter, b1, b2, act,
+                              counts=counts).double()
+            assert torch.equal(again, got)
+            assert torch.equal(counts, 3 + torch.bincount(ids.reshape(-1), minlength=experts + 2)[:n]), n
 
 
 @needs_kernels

@@ -17,7 +17,7 @@ def register() -> None:
         return lambda fn: fn
 
     @fake("fused_moe")
-    def _(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit):
+    def _(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit, counts=None):
         return torch.empty_like(x)
 
     @fake("linear")

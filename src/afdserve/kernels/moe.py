@@ -37,10 +37,13 @@ def pack_down(w: torch.Tensor) -> torch.Tensor:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               local: torch.Tensor, inter: int, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` over the pairs whose expert this part holds
     (``local[id]`` >= 0: its index in the packed weights; ids past ``local`` or mapped to -1 give 0).
 
     x [T, H] (bf16 or float32, H even); w13, w2 from ``pack_gate_up`` / ``pack_down``; ids [T, k]
-    int32/int64; weights [T, k] float32; biases (gpt-oss) [E, 2I] / [E, H] float32."""
-    return ops().fused_moe(x, w13, w2, b13, b2, ids, weights, local, inter, ACTIVATIONS[activation], alpha, limit)
+    int32/int64; weights [T, k] float32; biases (gpt-oss) [E, 2I] / [E, H] float32. ``counts``
+    (int64 [n]): each pair's id in ``[0, n)`` is counted into it (``bincount``'s counts, added)."""
+    return ops().fused_moe(x, w13, w2, b13, b2, ids, weights, local, inter, ACTIVATIONS[activation], alpha, limit,
+                           counts)

@@ -107,12 +107,19 @@ class ExpertPart(nn.Module):
         self.register_buffer("local_index", local, persistent=False)
         self._kernel: tuple | None = None  # (weights' key, packed weights) of the fused MoE kernel
 
-    def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                counts: torch.Tensor | None = None) -> torch.Tensor:
+        """``counts`` (int64 [num_experts + 1], on y's device): each (token, slot) pair's id is counted
+        into it (an expert worker's load statistics; by the fused kernel as it sorts the pairs)."""
         if USE_FUSED_KERNEL and self.expert_ids and y.shape[1] % 2 == 0 and kernels.supports("fused_moe", y):
             w13, w2, b13, b2 = self._kernel_weights()
             a = self.act
             return fused_moe(y.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.float().contiguous(),
-                             self.local_index, self.w_down.shape[2], b13, b2, a.kind, a.alpha, a.limit)
+                             self.local_index, self.w_down.shape[2], b13, b2, a.kind, a.alpha, a.limit, counts)
+        topk_ids = topk_ids.long()
+        if counts is not None:  # on the device: nothing is read back to the host (bincount would)
+            flat = topk_ids.reshape(-1)
+            counts.index_add_(0, flat, torch.ones_like(flat))
         if self.expert_ids and packs(y, self.w_gate_up) and self._dense_pays(y.shape[0], topk_ids.shape[1]):
             return self._dense(y, topk_ids, topk_weights)
         out = torch.zeros_like(y)

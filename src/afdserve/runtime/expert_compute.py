@@ -20,11 +20,28 @@ class ExpertCompute:
 
     def __init__(self, experts: ExpertModel, routers: dict[int, Router] | None, worker: int,
                  maps: dict[int, ExpertMap], tracker: LoadTracker | None = None, lm_head: torch.Tensor | None = None):
-        self.experts, self.routers, self.worker, self.maps = experts, routers, worker, maps
+        self.routers, self.worker, self.maps = routers, worker, maps
+        self.experts = experts
         self.lm_head = lm_head  # [vocab, hidden]: for the share of the LM head attention workers send
         self.tracker = tracker  # records logical routing when the gate runs here
         cfg = experts.cfg
-        self.tokens_per_expert = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.int64)
+        # pairs per (layer, logical expert), the last column those routed elsewhere: counted on the
+        # experts' device as they run (``ExpertPart.forward``'s ``counts``)
+        self.tokens_per_expert = torch.zeros(cfg.num_layers, cfg.num_experts + 1, dtype=torch.int64,
+                                             device=experts.device)
+        self._count_rows = list(self.tokens_per_expert)  # per layer, a view of its row
+
+    # every torch or module call on a layer's path costs microseconds on the expert worker's core, the
+    # pipeline's busiest: the layers, their device and the count rows are looked up once
+    @property
+    def experts(self) -> ExpertModel:
+        return self._experts
+
+    @experts.setter
+    def experts(self, experts: ExpertModel) -> None:  # a regrouped model replaces the old one
+        self._experts, self._parts = experts, list(experts.layers)
+        self._device = experts.device
+        self._on_host = self._device.type == "cpu"  # the messages are there: no moves
 
     @torch.inference_mode()
     def logits(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
@@ -49,11 +66,11 @@ class ExpertCompute:
     def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:
         """``parts``: per sender, [y] (expert gate) or [y, ids, weights] (attention gate).
         Returns per sender the partial sums [n_i, H]."""
-        dev = self.experts.device  # the messages are in host memory (the M2N slots)
-        sizes = [p[0].shape[0] for p in parts]
-        y = (torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]).to(dev)
-        n_exp = self.experts.cfg.num_experts
+        dev = self._device  # the messages are in host memory (the M2N slots)
+        y = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        y = y if self._on_host else y.to(dev)
         if len(parts[0]) == 1:
+            n_exp = self.experts.cfg.num_experts
             if self.routers is None:
                 raise RuntimeError("expert-side gate requested but this worker has no router weights")
             # Route each sender's micro-batch on its own: every expert worker received exactly that
@@ -65,9 +82,10 @@ class ExpertCompute:
             w = torch.cat([w for _, w in routed])
             if self.tracker is not None:
                 self.tracker.record(layer, torch.cat(ids_host))
-        else:
-            ids = torch.cat([p[1] for p in parts]).to(torch.int64) if len(parts) > 1 else parts[0][1].to(torch.int64)
-            w = (torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]).to(dev)
-        self.tokens_per_expert[layer] += torch.bincount(ids.reshape(-1), minlength=n_exp + 1)
-        out = self.experts.layers[layer](y, ids.to(dev), w)
-        return list(out.split(sizes))
+        else:  # the ids as sent (int32 or int64: the kernel takes either)
+            ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            w = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+        if not self._on_host:
+            ids, w = ids.to(dev), w.to(dev)
+        out = self._parts[layer](y, ids, w, counts=self._count_rows[layer])
+        return [out] if len(parts) == 1 else list(out.split([p[0].shape[0] for p in parts]))

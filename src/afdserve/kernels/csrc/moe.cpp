@@ -8,9 +8,10 @@
 // gate rows 16b..16b+15 and up rows I+16b..I+16b+15: one block's accumulators give 16 activations.
 // Rows past the real N are zero (so K of the down projection is I rounded up to 16).
 //
-// fused_moe: tokens are sorted by expert (counting sort); phase 1 runs gate/up and the activation
-// into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32, phase 3 sums each
-// token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
+// fused_moe: tokens are sorted by expert (counting sort; with `counts`, each pair's id is counted
+// there too: an expert worker's load statistics, with no pass of their own); phase 1 runs gate/up and
+// the activation into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32,
+// phase 3 sums each token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
 // by column block, so every thread streams a disjoint part of every expert's weights once; they run
 // in chunks of blocks taken by this process's threads and by any an idle neighbour lends (lend.h).
 #include "gemm.h"
@@ -64,7 +65,8 @@ template <typename T, typename Id>
 at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                           const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& local,
-                          int64_t inter, int64_t act, double alpha, double limit) {
+                          int64_t inter, int64_t act, double alpha, double limit,
+                          const c10::optional<at::Tensor>& counts) {
   const int64_t T_ = x.size(0), H = x.size(1), K = ids.size(1), E = w13.size(0);
   const int64_t nb1 = w13.size(1), ipad = nb1 * 16, nb2 = w2.size(1);
   const int64_t u1 = H / kPerUnit<T>, u2 = ipad / kPerUnit<T>;  // units of the gate/up and down inputs
@@ -77,8 +79,11 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
   // per_group[e] rows (group_rows: at most MR, spread evenly)
   std::vector<int64_t> start(E + 1, 0), pair_of(T_ * K, -1), group0(E + 1, 0), per_group(E, 1);
   std::vector<int32_t> expert_of(T_ * K, -1);
+  int64_t* cp = counts.has_value() ? counts->data_ptr<int64_t>() : nullptr;
+  const int64_t ncounts = counts.has_value() ? counts->numel() : 0;
   for (int64_t i = 0; i < T_ * K; ++i) {
     int64_t g = static_cast<int64_t>(idp[i]);
+    if (g >= 0 && g < ncounts) ++cp[g];
     int64_t e = (g >= 0 && g < nlocal) ? lp[g] : -1;
     if (e >= 0) { expert_of[i] = static_cast<int32_t>(e); ++start[e + 1]; }
   }
@@ -199,7 +204,8 @@ at::Tensor fused_moe_impl(const at::Tensor& x, const at::Tensor& w13, const at::
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                      const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& local,
-                     int64_t inter, int64_t act, double alpha, double limit) {
+                     int64_t inter, int64_t act, double alpha, double limit,
+                     const c10::optional<at::Tensor>& counts) {
   TORCH_CHECK(moe_supported(x.scalar_type()), "afdserve fused_moe: no kernel for ", x.scalar_type(),
               " on this CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "fused_moe: x must be [T, even H], contiguous");
@@ -214,6 +220,9 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.sizes() == ids.sizes() && weights.is_contiguous(),
               "fused_moe: weights must be float32 [T, k]");
   TORCH_CHECK(local.scalar_type() == at::kLong && local.dim() == 1, "fused_moe: local must be int64 [num_experts]");
+  TORCH_CHECK(!counts.has_value() || (counts->scalar_type() == at::kLong && counts->dim() == 1 &&
+                                      counts->is_contiguous() && counts->device() == x.device()),
+              "fused_moe: counts must be a contiguous int64 vector");
   for (const auto* b : {&b13, &b2}) {
     TORCH_CHECK(!b->has_value() || ((*b)->scalar_type() == at::kFloat && (*b)->is_contiguous()),
                 "fused_moe: biases must be contiguous float32");
@@ -222,13 +231,17 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   return AT_DISPATCH_SWITCH(x.scalar_type(), "fused_moe",
       AT_DISPATCH_CASE(at::kFloat, [&] {
         return ids.scalar_type() == at::kInt
-            ? fused_moe_impl<float, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit)
-            : fused_moe_impl<float, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit);
+            ? fused_moe_impl<float, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit,
+                                             counts)
+            : fused_moe_impl<float, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit,
+                                             counts);
       })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
         return ids.scalar_type() == at::kInt
-            ? fused_moe_impl<at::BFloat16, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit)
-            : fused_moe_impl<at::BFloat16, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha, limit);
+            ? fused_moe_impl<at::BFloat16, int32_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha,
+                                                    limit, counts)
+            : fused_moe_impl<at::BFloat16, int64_t>(x, w13, w2, b13, b2, ids, weights, local, inter, act, alpha,
+                                                    limit, counts);
       }));
 #else
   return x;
@@ -247,6 +260,6 @@ bool moe_supported(c10::ScalarType dt) {
 
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
   m.def("fused_moe(Tensor x, Tensor w13, Tensor w2, Tensor? b13, Tensor? b2, Tensor ids, Tensor weights, "
-        "Tensor local, int inter, int act, float alpha, float limit) -> Tensor");
+        "Tensor local, int inter, int act, float alpha, float limit, Tensor(a!)? counts=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) { m.impl("fused_moe", &afd::fused_moe); }
