@@ -9,11 +9,12 @@
 // Rows past the real N are zero (so K of the down projection is I rounded up to 16).
 //
 // fused_moe: tokens are sorted by expert (counting sort; with `counts`, each pair's id is counted
-// there too: an expert worker's load statistics, with no pass of their own); phase 1 runs gate/up and
-// the activation into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32,
-// phase 3 sums each token's pairs in top-k order with their routing weights. Phases 1 and 2 are split between threads
-// by column block, so every thread streams a disjoint part of every expert's weights once; they run
-// in chunks of blocks taken by this process's threads and by any an idle neighbour lends (lend.h).
+// there too: an expert worker's load statistics, with no pass of their own); phase 1 runs gate/up
+// and the activation into a [pairs, I] buffer, phase 2 the down projection into [pairs, H] float32,
+// phase 3 sums each token's pairs in top-k order with their routing weights. Phases 1 and 2 are
+// split between threads by column block, so every thread streams a disjoint part of every expert's
+// weights once; they run in chunks of blocks taken by this process's threads and by any an idle
+// neighbour lends (lend.h).
 #include "gemm.h"
 #include "lend.h"
 
