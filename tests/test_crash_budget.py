@@ -29,10 +29,10 @@ PLANT = textwrap.dedent("""
                 raise RuntimeError("planted fault: poisoned token")
             return embed(self, ids)
 
-        def flagged_moe(self, *args):
+        def flagged_moe(self, *args, **kwargs):
             if os.path.exists(flag):
                 raise RuntimeError("planted fault: expert flag")
-            return moe(self, *args)
+            return moe(self, *args, **kwargs)
 
         mm.AttentionModel.embed_tokens, ex.ExpertPart.forward = poisoned_embed, flagged_moe
 """)
