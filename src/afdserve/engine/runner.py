@@ -35,13 +35,13 @@ class LocalExperts:
         self.experts = experts
         device = experts.device
         self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=device)
+        self._count_rows = list(self.counts)  # per layer, a view of its row
         self.tracker = LoadTracker(cfg.num_layers, cfg.num_experts, load_window, device=device)
 
     def __call__(self, layer: int, y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)  # index_add_, not bincount: no read back to the host on a GPU
-        self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
         self.tracker.record(layer, ids)
-        return self.experts.layers[layer](y, ids, w)
+        # the layer counts the routed ids as it runs them (``ExpertPart.forward``'s ``counts``)
+        return self.experts.layers[layer](y, ids, w, counts=self._count_rows[layer])
 
 
 class ModelRunner:
