@@ -91,22 +91,23 @@ class Scheduler:
         batch = Batch()
         budget = max(1, self.cfg.max_num_batched_tokens // lanes)
         share = -(-len(self.running) // lanes) if lanes > 1 else len(self.running)
-        i = 0
+        i, blocks, in_flight = 0, self.blocks, self.in_flight
         while i < len(self.running) and budget > 0 and len(batch) < share:
             seq = self.running[i]
-            if seq.seq_id in self.in_flight:
+            if seq.seq_id in in_flight:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.blocks.can_hold(seq.seq_id, seq.num_computed + n):
-                # the latest arrival not in flight; never one already in this batch
-                victim = next(v for v in reversed(self.running) if v.seq_id not in self.in_flight)
-                self._preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq.status is Status.WAITING:
-                break  # it preempted itself: everything after it not in flight is gone too
-            self.blocks.reserve(seq.seq_id, seq.num_computed + n)
+            if blocks.blocks_needed(seq.seq_id, seq.num_computed + n):  # (most decode steps need none)
+                while not blocks.can_hold(seq.seq_id, seq.num_computed + n):
+                    # the latest arrival not in flight; never one already in this batch
+                    victim = next(v for v in reversed(self.running) if v.seq_id not in in_flight)
+                    self._preempt(victim, batch)
+                    if victim is seq:
+                        break
+                if seq.status is Status.WAITING:
+                    break  # it preempted itself: everything after it not in flight is gone too
+                blocks.reserve(seq.seq_id, seq.num_computed + n)
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
@@ -144,12 +145,15 @@ class Scheduler:
         return batch
 
     def advance(self, batch: Batch) -> None:
-        """After a step ran: the batch's tokens are computed; full blocks become cached."""
+        """After a step ran: the batch's tokens are computed; full blocks become cached (the blocks
+        full before were registered by the step that filled them, so a step of one token registers
+        one only where it fills a block)."""
+        caching, bs = self.blocks.enabled, self.blocks.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
-            if seq.finished:  # aborted while the step was in flight
+            if seq.status is Status.FINISHED:  # aborted while the step was in flight
                 continue
             seq.num_computed += n
-            if self.blocks.enabled:
+            if caching and (n > 1 or seq.num_computed % bs == 0):
                 self.blocks.commit(seq.seq_id, self._keys(seq), seq.num_computed)
         self.land(batch)
 
