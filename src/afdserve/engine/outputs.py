@@ -3,7 +3,8 @@ finish events only) and ``RequestOutput`` (the front end, in vLLM's shape: cumul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 
 @dataclass
@@ -58,6 +59,14 @@ class TokenOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __reduce__(self) -> tuple[type[TokenOutput], tuple]:
+        # pickled as its fields' values in order, not as a dict of them: an attention worker sends
+        # one per sequence and step (a third of the bytes; unpickled several times faster)
+        return TokenOutput, _token_output_fields(self)
+
+
+_token_output_fields = attrgetter(*(f.name for f in fields(TokenOutput)))
 
 
 @dataclass
