@@ -142,7 +142,7 @@ class Engine:
             return None
         input_ids: list[int] = []
         seq_ids, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+        for seq, n in zip(batch.seqs, batch.num_new):
             start, total = seq.num_computed, seq.num_computed + n
             first_row = len(input_ids)
             input_ids.extend(seq.tokens(start, total))
@@ -153,7 +153,7 @@ class Engine:
                 done = len(seq.prompt_logprobs)  # positions already computed (before a preemption)
                 for pos in range(max(start, done), min(total, len(seq.prompt_token_ids) - 1)):
                     prompt_rows.append((seq, first_row + pos - start, pos + 1))
-            if batch.samples(i):
+            if total == seq.num_tokens:  # all its tokens computed after this step: it samples one
                 sampled.append((seq, len(input_ids) - 1))
             else:  # a chunk of a longer prefill: reported as progress
                 partial.append(seq)

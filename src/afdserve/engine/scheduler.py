@@ -41,11 +41,6 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
-    def samples(self, i: int) -> bool:
-        """Whether sequence i has all its tokens computed after this step (and so samples one)."""
-        s = self.seqs[i]
-        return s.num_computed + self.num_new[i] == s.num_tokens
-
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
