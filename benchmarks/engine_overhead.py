@@ -12,7 +12,12 @@ the median microseconds per step of each part over the decode is reported, with 
 set as in an engine process (``host_memory``).
 
     python benchmarks/engine_overhead.py [--seqs 64,256] [--prompt 32] [--steps 64] [--rounds 5]
-                                         [--json out/engine_overhead.json]
+                                         [--base TREE] [--json out/engine_overhead.json]
+
+With ``--base TREE`` (another checkout's root, e.g. a ``git worktree`` of an older revision) each
+round runs in two subprocesses, one importing afdserve from this tree and one from ``TREE`` (in
+swapped order on odd rounds), and the table gives both sides' medians and the median of the
+per-round ratios base / new of the total.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,14 +84,55 @@ def one_round(seqs: int, prompt: int, steps: int, seed: int, tokenizer) -> dict[
     return times
 
 
+def compare(args: argparse.Namespace) -> None:
+    """Rounds of this tree and ``args.base`` in subprocesses, alternating; prints and writes both."""
+    trees = {"new": Path(__file__).resolve().parents[1], "base": Path(args.base).resolve()}
+    runs: dict[str, list[list[dict]]] = {"new": [], "base": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for side in (("new", "base") if r % 2 == 0 else ("base", "new")):
+                out = os.path.join(tmp, f"{side}{r}.json")
+                env = dict(os.environ, PYTHONPATH=str(trees[side] / "src"))
+                subprocess.run([sys.executable, __file__, "--seqs", args.seqs, "--prompt", str(args.prompt),
+                                "--steps", str(args.steps), "--rounds", "1", "--json", out], env=env, check=True,
+                               stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    runs[side].append(json.load(f)["rows"])
+    rows = []
+    for i, seqs in enumerate(int(s) for s in args.seqs.split(",")):
+        row: dict = {"seqs": seqs}
+        for side in ("base", "new"):
+            for key in [f"{p}_us" for p in PARTS] + ["total_us"]:
+                row[f"{side}_{key}"] = statistics.median(run[i][key] for run in runs[side])
+        row["ratios_base_over_new"] = [round(b[i]["total_us"] / n[i]["total_us"], 3)
+                                       for b, n in zip(runs["base"], runs["new"])]
+        row["ratio_base_over_new"] = statistics.median(row["ratios_base_over_new"])
+        rows.append(row)
+    print(f"{'seqs':>5} {'side':>5} " + " ".join(f"{p + ' us':>13}" for p in PARTS) + f" {'total us':>9}")
+    for row in rows:
+        for side in ("base", "new"):
+            print(f"{row['seqs']:>5} {side:>5} " + " ".join(f"{row[f'{side}_{p}_us']:>13.0f}" for p in PARTS)
+                  + f" {row[f'{side}_total_us']:>9.0f}")
+        print(f"{row['seqs']:>5} base / new total: {row['ratio_base_over_new']:.2f} "
+              f"(per round {', '.join(map(str, row['ratios_base_over_new']))})")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "engine_overhead", "prompt": args.prompt, "steps": args.steps, "rounds": args.rounds,
+                       "base": str(trees["base"]), "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="64,256")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="runs per batch size, alternating (medians over all)")
+    ap.add_argument("--base", default=None, help="another tree's root: both measured, in alternating rounds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.base:
+        return compare(args)
     torch.set_num_threads(1)
     keep_freed_memory()  # as every engine process does
     tokenizer = load_tokenizer(demo_model_path())
