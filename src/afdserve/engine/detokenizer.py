@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
+MAX_LOOKBACK = 24  # prompt tokens the first window may reach back, to start at a whole character
+
 
 class IncrementalDetokenizer:
     """Emits the text of new tokens once it is complete (no dangling UTF-8 byte pieces).
@@ -16,8 +18,22 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids)
-        self.prefix_offset = max(len(self.ids) - 6, 0)
+        self.prefix_offset = self._window_start()
         self.read_offset = len(self.ids)
+
+    def _window_start(self) -> int:
+        """Where the first window starts: six tokens back, or further back up to ``MAX_LOOKBACK``, as
+        far as needed for the prompt's tail to decode whole. A window that starts within the byte
+        pieces of a character (a byte-fallback tokenizer's <0xXX> tokens) decodes them as replacement
+        characters, and a run of such pieces is decoded together, so the characters generated next
+        in that run would come out garbled too."""
+        n = len(self.ids)
+        if self.tok is None:
+            return max(n - 6, 0)
+        for start in range(n - 6, max(n - MAX_LOOKBACK, 0) - 1, -1):
+            if start <= 0 or "\ufffd" not in self.tok.decode(self.ids[start:], skip_special_tokens=self.skip):
+                return max(start, 0)
+        return max(n - 6, 0)  # a prompt with invalid bytes in its tail: as it comes
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)

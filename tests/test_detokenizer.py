@@ -1,0 +1,90 @@
+"""Incremental detokenization: the text emitted token by token is the text of the whole sequence past
+its prompt, for byte-level BPE (GPT-2 style) and for SentencePiece-style BPE (metaspace word starts,
+byte-fallback pieces of multi-byte characters); a character's text waits for its last byte piece."""
+
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+from afdserve.engine.detokenizer import IncrementalDetokenizer
+from tiny_models import write_tokenizer
+
+TEXTS = ["the quick brown fox jumps over the lazy dog, again and again",
+         "naïve café déjà vu — ünïcödé and emoji 🙂🚀 in a long-ish sentence of words",
+         "mixture of experts   serve   tokens fast\n\nnew paragraph\twith tabs",
+         "日本語のテキストと English words mixed together 🙂"]
+
+
+def _metaspace() -> Tokenizer:
+    """A small SentencePiece-like BPE: ▁ for spaces, <0xXX> pieces for what the vocabulary lacks."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([t for t in TEXTS if t.isascii()] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False))
+    spec = json.loads(tok.to_str())  # the byte pieces join the vocabulary as ordinary tokens
+    vocab = spec["model"]["vocab"]
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _streamed(tok: Tokenizer, prompt: list[int], gen: list[int]) -> str:
+    d = IncrementalDetokenizer(tok, prompt)
+    return "".join(d.step(t) for t in gen)
+
+
+def _check(tok: Tokenizer, ids: list[int], cut: int) -> None:
+    while tok.decode(ids[:cut]).endswith("\ufffd"):  # a prompt does not end within a character's bytes
+        cut += 1
+    prompt, gen = ids[:cut], ids[cut:]
+    whole, head = tok.decode(prompt + gen), tok.decode(prompt)
+    assert whole.startswith(head)
+    assert _streamed(tok, prompt, gen) == whole[len(head):], (ids, cut)
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_streamed_text_is_the_whole_text_past_the_prompt(kind, tmp_path):
+    if kind == "metaspace":
+        tok = _metaspace()
+    else:
+        write_tokenizer(tmp_path)
+        tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    longest = 0
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        longest = max(longest, len(ids))
+        for cut in (1, 3, len(ids) // 2, len(ids) - 2):
+            _check(tok, ids, cut)
+    assert longest > 20  # past the first decode window
+
+
+def test_random_streams_of_words_and_whole_characters():
+    """Prompts that end with characters in byte pieces included: the first window starts at a whole
+    character, not within one (whose pieces, and those of the characters after them, would decode
+    as replacement characters)."""
+    tok = _metaspace()
+    rng = random.Random(0)
+    pieces = {tok.token_to_id(f"<0x{i:02X}>") for i in range(256)}
+    words = [i for i in range(3, tok.get_vocab_size()) if i not in pieces]
+    for _ in range(300):
+        ids: list[int] = []
+        while len(ids) < 40:
+            if rng.random() < 0.2:  # a whole character in byte pieces
+                ids += [tok.token_to_id(f"<0x{b:02X}>") for b in rng.choice("éü🙂日本—ß").encode()]
+            else:
+                ids.append(rng.choice(words))
+        _check(tok, ids, rng.randrange(1, 10))
+
+
+def test_a_character_waits_for_its_last_byte_piece():
+    tok = _metaspace()
+    prompt = tok.encode("hello", add_special_tokens=False).ids
+    emoji = [tok.token_to_id(f"<0x{b:02X}>") for b in "🙂".encode()]
+    d = IncrementalDetokenizer(tok, prompt)
+    assert [d.step(t) for t in emoji] == ["", "", "", "🙂"]
+    assert IncrementalDetokenizer(None, prompt).step(5) == ""
