@@ -190,3 +190,31 @@ def test_disaggregated_attention_worker_caches_and_matches(tiny_mixtral, referen
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
     assert first == ref and [o.outputs[0].token_ids for o in outs] == ref
     assert all(o.num_cached_tokens >= 32 for o in outs)  # the worker served the prefixes from its cache
+
+
+def test_every_full_block_is_registered_when_filled_by_prefill_chunks_or_decode_steps():
+    """The engine's steps register exactly the full computed blocks of each sequence, whether a
+    chunk of a prefill or a decode step filled them (a decode step registers one only where it
+    fills a block), with one step in flight or two (lanes)."""
+    import torch
+
+    from afdserve.engine.engine import Engine
+    from afdserve.engine.scheduler import SchedulerConfig
+
+    rng = random.Random(3)
+    bm = BlockManager(48, BS, PrefixCacheConfig(SALT))
+    eng = Engine(None, bm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7), 64, {2})
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(str(i), [rng.randrange(3, 256) for _ in range(rng.randrange(3, 15))], params)
+    steps = 0
+    while eng.has_unfinished():
+        lanes = 2 if steps % 5 < 3 else 1  # sometimes two steps in flight, sometimes one
+        inflight = [s for s in (eng.begin(lanes) for _ in range(lanes)) if s is not None]
+        for s in inflight:
+            eng.finish(s, torch.tensor([rng.randrange(3, 256) for _ in s.sampled], dtype=torch.int64))
+        for seq in eng.scheduler.running:
+            keys = block_hashes(seq.token_ids, BS, SALT)[: seq.num_computed // BS]
+            assert all(bm.cached.get(k) is not None for k in keys), (seq.request_id, seq.num_computed)
+        steps += 1
+    assert steps > 20
