@@ -53,7 +53,8 @@ def one_round(seqs: int, prompt: int, steps: int, seed: int, tokenizer) -> dict[
     rng = random.Random(seed)
     vocab = tokenizer.tokenizer.get_vocab_size()
     block_size = 16
-    blocks = BlockManager(seqs * (-(-(prompt + steps + 1) // block_size) + 1), block_size, PrefixCacheConfig(b"engine-overhead"))
+    per_seq = -(-(prompt + steps + 1) // block_size) + 1
+    blocks = BlockManager(seqs * per_seq, block_size, PrefixCacheConfig(b"engine-overhead"))
     engine = Engine(None, blocks, SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=seqs * (prompt + 1)),
                     prompt + steps + 1, {2})
     front = OutputProcessor(tokenizer)
@@ -118,8 +119,8 @@ def compare(args: argparse.Namespace) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "engine_overhead", "prompt": args.prompt, "steps": args.steps, "rounds": args.rounds,
-                       "base": str(trees["base"]), "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "engine_overhead", "prompt": args.prompt, "steps": args.steps,
+                       "rounds": args.rounds, "base": str(trees["base"]), "rows": rows}, f, indent=1)
 
 
 def main() -> None:
