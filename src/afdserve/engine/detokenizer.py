@@ -28,12 +28,12 @@ class IncrementalDetokenizer:
         characters, and a run of such pieces is decoded together, so the characters generated next
         in that run would come out garbled too."""
         n = len(self.ids)
-        if self.tok is None:
-            return max(n - 6, 0)
-        for start in range(n - 6, max(n - MAX_LOOKBACK, 0) - 1, -1):
-            if start <= 0 or "\ufffd" not in self.tok.decode(self.ids[start:], skip_special_tokens=self.skip):
-                return max(start, 0)
-        return max(n - 6, 0)  # a prompt with invalid bytes in its tail: as it comes
+        six_back = max(n - 6, 0)
+        if self.tok is not None:
+            for start in range(six_back, max(n - MAX_LOOKBACK, 0) - 1, -1):
+                if start == 0 or "\ufffd" not in self.tok.decode(self.ids[start:], skip_special_tokens=self.skip):
+                    return start
+        return six_back  # no tokenizer, or a prompt with invalid bytes in its tail: as it comes
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
