@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.engine.engine import Engine
+from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.prefix import PrefixCacheConfig, block_hashes
 
@@ -193,16 +196,11 @@ def test_disaggregated_attention_worker_caches_and_matches(tiny_mixtral, referen
 
 
 def test_every_full_block_is_registered_when_filled_by_prefill_chunks_or_decode_steps():
-    """The engine's steps register exactly the full computed blocks of each sequence, whether a
+    """After every step, each running sequence's full computed blocks are registered, whether a
     chunk of a prefill or a decode step filled them (a decode step registers one only where it
     fills a block), with one step in flight or two (lanes)."""
-    import torch
-
-    from afdserve.engine.engine import Engine
-    from afdserve.engine.scheduler import SchedulerConfig
-
     rng = random.Random(3)
-    bm = BlockManager(48, BS, PrefixCacheConfig(SALT))
+    bm = _bm(48)
     eng = Engine(None, bm, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=7), 64, {2})
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     for i in range(4):
