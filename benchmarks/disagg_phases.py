@@ -6,6 +6,11 @@ Two engines on the same checkpoint (bf16) and cores, both loaded in this process
 core, ``lend_idle_cores=False``).
 Per batch size, each round times ``generate`` for 1 new token (prefill and the first token) and for
 N new tokens, the engines alternating; decode step = (t(N) - t(1)) / (N - 1). Medians of the rounds.
+Where /proc exists it also reads each process's CPU time (user + system) around every call, and
+prints the CPU each process of an engine spends per decode step, the same difference: how busy
+each core is, whatever the traces call waiting. The colocated engine runs in this process (its
+OpenMP threads spin a while before they sleep, so its figure is an upper bound on its work); the
+disaggregated one's front end is this process too.
 
     python benchmarks/disagg_phases.py [--batches 64,256] [--rounds 3] [--compare-lending]
                                        [--json out/disagg_phases.json]
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -36,46 +42,72 @@ def main() -> None:
     args = ap.parse_args()
     from afdserve import LLM, SamplingParams
     from afdserve.engine.builder import resolve_model
+    from afdserve.engine.stats import cpu_seconds
 
     torch.set_num_threads(args.cores)
     batches = [int(b) for b in args.batches.split(",")]
     path, big = str(resolve_model(args.model)), max(batches)
     common = dict(dtype="bfloat16", max_num_seqs=big, max_model_len=args.prompt_len + args.new_tokens + 1,
                   max_num_batched_tokens=max(2048, big * args.prompt_len))
-    engines = {"colocated": LLM(path, num_threads=args.cores, expert_workers=0, **common),
-               "1a+1e m2": LLM(path, num_threads=max(1, args.cores // 2), attention_workers=1, expert_workers=1,
-                               micro_batches=2, **common)}
+    procs: dict[str, dict[int, str]] = {}  # engine -> its processes (pid -> label)
+
+    def load(name: str, **kw) -> LLM:
+        before = set(descendants())
+        llm = LLM(path, **kw, **common)
+        procs[name] = {os.getpid(): "front end" if kw.get("expert_workers") else "engine (this process)",
+                       **{pid: title(pid) for pid in descendants() if pid not in before}}
+        return llm
+
+    engines = {"colocated": load("colocated", num_threads=args.cores, expert_workers=0),
+               "1a+1e m2": load("1a+1e m2", num_threads=max(1, args.cores // 2), attention_workers=1,
+                                expert_workers=1, micro_batches=2)}
     if args.compare_lending:
-        engines["1a+1e m2 no lending"] = LLM(path, num_threads=max(1, args.cores // 2), attention_workers=1,
-                                             expert_workers=1, micro_batches=2, lend_idle_cores=False, **common)
+        engines["1a+1e m2 no lending"] = load("1a+1e m2 no lending", num_threads=max(1, args.cores // 2),
+                                              attention_workers=1, expert_workers=1, micro_batches=2,
+                                              lend_idle_cores=False)
     rng = random.Random(0)
     vocab = engines["colocated"].engine.vocab_size
 
-    def timed(llm, batch: int, n: int) -> float:
+    def cpu(name: str) -> dict[str, float]:
+        return {label: cpu_seconds(pid) or 0.0 for pid, label in procs[name].items()}
+
+    def timed(name: str, batch: int, n: int) -> tuple[float, dict[str, float]]:
+        """Seconds of one ``generate``, and the CPU seconds each process of the engine spent in it."""
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]}
                    for _ in range(batch)]
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        return time.perf_counter() - t0
+        c0, t0 = cpu(name), time.perf_counter()
+        engines[name].generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter() - t0
+        return t, {label: v - c0[label] for label, v in cpu(name).items()}
 
     rows = []
     try:
         for batch in batches:
             times = {(e, n): [] for e in engines for n in (1, args.new_tokens)}
-            for llm in engines.values():  # warm-up
-                timed(llm, batch, args.new_tokens)
+            cpus = {(e, n): [] for e in engines for n in (1, args.new_tokens)}
+            for name in engines:  # warm-up
+                timed(name, batch, args.new_tokens)
             for r in range(args.rounds):
                 order = list(engines) if r % 2 == 0 else list(engines)[::-1]
                 for name in order:
                     for n in (1, args.new_tokens):
-                        times[name, n].append(timed(engines[name], batch, n))
+                        t, c = timed(name, batch, n)
+                        times[name, n].append(t)
+                        cpus[name, n].append(c)
             row = {"batch": batch}
             for name in engines:
                 first = statistics.median(times[name, 1])
                 full = statistics.median(times[name, args.new_tokens])
-                row[name] = {"prefill_ms": round(first * 1e3, 1),
-                             "decode_step_ms": round((full - first) / (args.new_tokens - 1) * 1e3, 2),
-                             "total_ms": round(full * 1e3, 1), "tok_per_s": round(batch * args.new_tokens / full)}
+                step = (full - first) / (args.new_tokens - 1)
+                # per process: the median over rounds of (CPU of the N-token call - CPU of the 1-token call)
+                dec = {label: statistics.median((b[label] - a[label]) / (args.new_tokens - 1)
+                                                for a, b in zip(cpus[name, 1], cpus[name, args.new_tokens]))
+                       for label in procs[name].values()}
+                row[name] = {"prefill_ms": round(first * 1e3, 1), "decode_step_ms": round(step * 1e3, 2),
+                             "total_ms": round(full * 1e3, 1), "tok_per_s": round(batch * args.new_tokens / full),
+                             "decode_cpu_ms_per_step": {k: round(v * 1e3, 2) for k, v in dec.items()},
+                             "prefill_cpu_ms": {label: round(statistics.median(c[label] for c in cpus[name, 1]) * 1e3,
+                                                             1) for label in procs[name].values()}}
             rows.append(row)
     finally:
         for llm in engines.values():
@@ -95,14 +127,52 @@ def main() -> None:
                                     "tok_per_s": round(d["tok_per_s"] / c["tok_per_s"], 3)}
             print(f"{'':>6} {'ratio ' + name:<{w}} {c['prefill_ms'] / d['prefill_ms']:>10.2f}x "
                   f"{c['decode_step_ms'] / d['decode_step_ms']:>14.2f}x {d['tok_per_s'] / c['tok_per_s']:>6.2f}x")
+    if any(sum(row[name]["decode_cpu_ms_per_step"].values()) > 0 for row in rows for name in engines):
+        print("CPU per decode step, each process (ms; in parentheses: of the decode step's wall time)")
+        for row in rows:
+            for name in engines:
+                r = row[name]
+                print(f"{row['batch']:>6} {name:<{w}} " + ", ".join(
+                    f"{label} {ms:.2f} ({ms / r['decode_step_ms']:.0%})"
+                    for label, ms in r["decode_cpu_ms_per_step"].items()))
     if args.json:
-        import os
-
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"benchmark": "disagg_phases", "model": path, "prompt_len": args.prompt_len,
                        "new_tokens": args.new_tokens, "rounds": args.rounds, "cores": args.cores, "rows": rows},
                       f, indent=1)
+
+
+def descendants() -> list[int]:
+    """The processes under this one (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for d in entries:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, IndexError):
+                pass
+    out, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def title(pid: int) -> str:
+    """A process's title ("afdserve: attention0" for a worker), else its pid."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            name = f.read().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        name = ""
+    return name.removeprefix("afdserve: ") if name.startswith("afdserve: ") else f"pid {pid}"
 
 
 if __name__ == "__main__":
