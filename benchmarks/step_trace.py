@@ -4,7 +4,8 @@ Runs the deployment with ``--trace`` on the demo model (bf16, random token-id pr
 ignored), one warm-up and one traced generate per batch size, then splits the decode window of each
 worker into its kinds of work, per step of the whole batch (``afdserve.runtime.trace_steps``): the
 attention worker's layers, LM head (its share), combines, sends, engine (scheduling, sampling,
-outputs) and the rest (waiting for replies); the expert worker's MoE layers, LM head share, sends
+outputs), waiting for replies (blocked) and the rest (the lanes' Python between spans); the expert
+worker's MoE layers, LM head share, sends
 and idle time; then who waits on whom (``trace_steps.idle_beside``): each worker's idle time split by
 what the other worker did meanwhile.
 
@@ -29,7 +30,8 @@ from afdserve.runtime.trace_plot import load
 from afdserve.runtime.trace_steps import breakdown, idle_beside
 
 COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "attn LM head"),
-           ("send_ms", "attn send"), ("engine_ms", "engine"), ("other_ms", "attn other"),
+           ("send_ms", "attn send"), ("engine_ms", "engine"), ("wait_ms", "attn wait"),
+           ("other_ms", "attn other"),
            ("expert_busy_ms", "expert MoE"), ("expert_lm_head_ms", "expert LM head"), ("expert_send_ms", "expert send"),
            ("expert_idle_ms", "expert idle")]
 

@@ -135,7 +135,7 @@ class PipelinedRunner:
             if got is None and wait > 0:
                 t0 = time.perf_counter_ns()
                 try:
-                    with lent(self.lender):  # only waiting: its cores are lent
+                    with self.tracer.span("wait"), lent(self.lender):  # only waiting: its cores are lent
                         got = self.links.recv_any(peers, wait)
                 except PeerTimeoutError:
                     pass

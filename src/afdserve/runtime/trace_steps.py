@@ -5,7 +5,8 @@ the breakdown is over the decode windows instead (``decode_windows``: the stretc
 decode steps, steps of at most ``batch`` tokens, leaving out any that overlaps a prefill of another
 lane), per worker, the time in each kind of span, normalized to one step of the whole batch
 (``batch`` generated tokens). The attention worker's
-time outside any span (waiting for replies, the lanes' bookkeeping) is ``other``; the expert
+time blocked on expert replies (its ``wait`` spans) is ``wait``, the rest outside any span (the
+lanes' bookkeeping and Python between spans, and whatever preempted it) ``other``; the expert
 worker's outside its compute and sends is ``idle``.
 """
 
@@ -26,7 +27,8 @@ class StepBreakdown:
     combine_ms: float
     send_ms: float
     engine_ms: float  # scheduling, sampling, outputs (the engine spans)
-    other_ms: float  # the attention worker outside any span: waiting for replies, lane switches
+    wait_ms: float  # the attention worker blocked on expert replies (its wait spans)
+    other_ms: float  # the attention worker outside any span, not waiting: lane switches, Python between spans
     expert_busy_ms: float  # MoE layers
     expert_lm_head_ms: float  # the expert worker's share of the LM head
     expert_send_ms: float
@@ -81,12 +83,14 @@ def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: 
     layers, lm, combine = total(att, "attention"), total(att, "attention", "lm_head"), total(att, "attention", "combine")
     send = sum(s["dur"] for s in att if s["name"] == "send")
     engine = sum(s["dur"] for s in att if s["name"] == "engine")
+    wait = sum(s["dur"] for s in att if s["name"] == "wait")
     e_moe, e_lm = total(exp, "expert"), total(exp, "expert", "lm_head")
     e_send = sum(s["dur"] for s in exp if s["name"] == "send")
     window = sum(b - a for a, b in windows)
     att_spans = layers + lm + combine + total(att, "attention", "dense_mlp") + send + engine
     return StepBreakdown(len(steps), window * per_step, layers * per_step, lm * per_step, combine * per_step,
-                         send * per_step, engine * per_step, max(0.0, window - att_spans) * per_step,
+                         send * per_step, engine * per_step, wait * per_step,
+                         max(0.0, window - att_spans - wait) * per_step,
                          e_moe * per_step, e_lm * per_step, e_send * per_step,
                          max(0.0, window - e_moe - e_lm - e_send) * per_step)
 
@@ -136,14 +140,15 @@ def _gaps(busy: _Spans, windows: list[tuple[float, float]]) -> list[tuple[float,
 
 def idle_beside(spans: dict[str, list[dict]], attention: str, expert: str, batch: int) -> dict[str, dict[str, float]]:
     """Who waits on whom in the decode windows of ``breakdown``: for each of the two workers, its
-    time outside any compute or send span, split by what the other worker did meanwhile (its span
-    kinds; ``idle`` where it was idle too), in ms per ``batch`` tokens."""
+    time outside any compute, send or engine span (blocked or not), split by what the other worker
+    did meanwhile (its span kinds; ``idle`` where it was idle too), in ms per ``batch`` tokens."""
     mine = {attention: spans[attention]}
     steps, windows = decode_steps(mine, batch), decode_windows(mine, batch)
     if not steps:
         raise ValueError(f"no decode step of at most {batch} tokens in the trace of {attention}")
     per_step = batch / sum(s["args"]["tokens"] for s in steps) / 1e3
-    busy = {w: _Spans([s for s in spans[w] if s["name"] not in ("step", "idle")]) for w in (attention, expert)}
+    busy = {w: _Spans([s for s in spans[w] if s["name"] not in ("step", "idle", "wait")])
+            for w in (attention, expert)}
     out = {}
     for me, other in ((attention, expert), (expert, attention)):
         split: dict[str, float] = {}
