@@ -42,7 +42,6 @@ def main() -> None:
     args = ap.parse_args()
     from afdserve import LLM, SamplingParams
     from afdserve.engine.builder import resolve_model
-    from afdserve.engine.stats import cpu_seconds
 
     torch.set_num_threads(args.cores)
     batches = [int(b) for b in args.batches.split(",")]
@@ -69,7 +68,7 @@ def main() -> None:
     vocab = engines["colocated"].engine.vocab_size
 
     def cpu(name: str) -> dict[str, float]:
-        return {label: cpu_seconds(pid) or 0.0 for pid, label in procs[name].items()}
+        return {label: process_cpu_s(pid) for pid, label in procs[name].items()}
 
     def timed(name: str, batch: int, n: int) -> tuple[float, dict[str, float]]:
         """Seconds of one ``generate``, and the CPU seconds each process of the engine spent in it."""
@@ -163,6 +162,22 @@ def descendants() -> list[int]:
         out.append(pid)
         todo += children.get(pid, [])
     return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process's threads have run so far: nanoseconds from each thread's schedstat
+    where the kernel has them (the ticks of /proc/<pid>/stat are 10 ms), else those ticks."""
+    from afdserve.engine.stats import cpu_seconds
+
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        total = 0
+        for t in tasks:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        return cpu_seconds(pid) or 0.0
 
 
 def title(pid: int) -> str:
