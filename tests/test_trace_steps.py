@@ -58,3 +58,21 @@ def test_who_waits_on_whom():
     assert got["attention0"] == pytest.approx({"moe": 4, "send": 0.5, "idle": 0.5})
     # the expert waits 0..3 and 7.5..10: the attention layer, its send, both idle 7.5..8, the finish
     assert got["expert0"] == pytest.approx({"layers": 2, "send": 1, "idle": 0.5, "engine finish": 2})
+
+
+def test_a_traced_deployment_records_the_attention_workers_waits(tiny_mixtral, tmp_path):
+    """A traced 1 + 1 run (m = 2): the attention worker's blocking waits for expert replies are
+    recorded as 'wait' spans, inside its steps, and the breakdown reads them."""
+    from afdserve import LLM, SamplingParams
+    from afdserve.runtime.trace_plot import load
+
+    path = tmp_path / "trace.json"
+    with LLM(str(tiny_mixtral), num_kv_blocks=64, expert_workers=1, micro_batches=2, trace=str(path)) as llm:
+        llm.generate([{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(4)],
+                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    spans = load(str(path))
+    steps = [s for s in spans["attention0"] if s["name"] == "step"]
+    lo, hi = min(s["ts"] for s in steps), max(s["ts"] + s["dur"] for s in steps)
+    waits = [s for s in spans["attention0"] if s["name"] == "wait"]
+    assert waits and all(s["dur"] >= 0 and lo <= s["ts"] <= hi for s in waits)
+    assert breakdown(spans, "attention0", "expert0", batch=4).wait_ms >= 0  # how many fall in decode steps is timing

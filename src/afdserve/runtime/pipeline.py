@@ -133,13 +133,15 @@ class PipelinedRunner:
                 return done
             got = self.links.try_recv(peers)  # what has come, without waiting
             if got is None and wait > 0:
-                t0 = time.perf_counter_ns()
+                t0, w0 = time.perf_counter_ns(), time.time_ns() if self.tracer.enabled else 0
                 try:
-                    with self.tracer.span("wait"), lent(self.lender):  # only waiting: its cores are lent
+                    with lent(self.lender):  # only waiting: its cores are lent
                         got = self.links.recv_any(peers, wait)
                 except PeerTimeoutError:
                     pass
                 self.lm.waited(time.perf_counter_ns() - t0)
+                if w0:
+                    self.tracer.since("wait", w0)
             if got is None:
                 d, part = min((x for q in self._expect.values() for x in q.values()), key=lambda x: x[0].deadline)
                 if done or wait <= 0 or time.monotonic() < d.deadline:
