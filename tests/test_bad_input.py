@@ -92,3 +92,16 @@ def test_bad_requests_then_engine_keeps_serving(tiny_mixtral):
             SamplingParams(top_p=0)
         assert not llm.engine.has_unfinished()  # nothing half-queued by the failed calls
         assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], OK)[0].outputs[0].token_ids == good
+
+
+@pytest.mark.parametrize("experts", [0, 1], ids=["colocated", "1a+1e"])
+def test_a_batch_with_one_bad_request_queues_none_of_it(tiny_mixtral, experts):
+    """``generate``'s prompts are added together (one message per attention worker in a cluster):
+    when the third's sampling params are refused, the first two are not left running either."""
+    with LLM(str(tiny_mixtral), num_kv_blocks=64, expert_workers=experts) as llm:
+        good = llm.generate([{"prompt_token_ids": [5, 6, 7]}], OK)[0].outputs[0].token_ids
+        bad = SamplingParams(max_tokens=4, stop_token_ids=[999])  # past the vocabulary (256)
+        with pytest.raises(RequestError, match="not in the vocabulary"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, [OK, OK, bad])
+        assert not llm.engine.has_unfinished()
+        assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], OK)[0].outputs[0].token_ids == good

@@ -59,3 +59,18 @@ def test_micro_batches_changed_while_running(references):
         with pytest.raises(ValueError, match=r"1\.\.3"):
             cluster.set_micro_batches(4)
         assert cluster.micro_batches == 1
+
+
+def test_a_generate_batch_reaches_the_lanes_whole(tiny_mixtral, tmp_path):
+    """``generate`` sends its prompts to the attention worker in one message, so its two lanes' first
+    steps split the batch by the token budget (sent one by one, the first lane would start with the
+    first few prompts and the second take the rest: a prefill with nothing to overlap)."""
+    from afdserve.runtime.trace_plot import load
+
+    trace = tmp_path / "trace.json"
+    prompts = [{"prompt_token_ids": [3 + i % 200, 4, 5, 6]} for i in range(96)]
+    with LLM(str(tiny_mixtral), num_kv_blocks=64, expert_workers=1, micro_batches=2, max_num_batched_tokens=128,
+             trace=str(trace)) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    steps = sorted((s for s in load(str(trace))["attention0"] if s["name"] == "step"), key=lambda s: s["ts"])
+    assert [s["args"]["tokens"] for s in steps[:2]] == [64, 64]

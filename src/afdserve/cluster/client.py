@@ -38,9 +38,9 @@ from afdserve.planner import attention_request_cost
 from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Crashed, FromWorker, GetStats, GetTrace,
-                                       PeerLost, Ready, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs,
-                                       ToWorker, TraceReply, WorkerSpec)
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, Crashed, FromWorker, GetStats,
+                                       GetTrace, PeerLost, Ready, Regroup, SetMicroBatches, Shutdown, StatsReply,
+                                       StepOutputs, ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
@@ -143,6 +143,25 @@ class ClusterClient(FrontEnd):
 
     # ---- FrontEnd: requests to the attention workers -----------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        target = self._place(request_id, prompt_token_ids, params)
+        self.workers[target].send(AddRequest(request_id, prompt_token_ids, params))
+
+    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """One message per attention worker: it has every request of the batch before its lanes
+        schedule any (sent one by one, the first lane's step would start with the first few)."""
+        by_worker: dict[str, list[AddRequest]] = {}
+        try:
+            for rid, ids, params in requests:
+                by_worker.setdefault(self._place(rid, ids, params), []).append(AddRequest(rid, ids, params))
+            for target, batch in by_worker.items():
+                self.workers[target].send(batch[0] if len(batch) == 1 else AddRequests(batch))
+        except BaseException:
+            for rid, _, _ in requests:  # nothing of the batch stays queued (an abort of one not sent is a no-op)
+                self.cancel(rid)
+            raise
+
+    def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str:
+        """Picks the request's attention worker and books it there; its name."""
         if self.failed:
             raise WorkerError(f"deployment failed: {self.failed}")
         keys = self.routes.key(prompt_token_ids) if self.routes is not None and len(self.attention) > 1 else []
@@ -155,7 +174,7 @@ class ClusterClient(FrontEnd):
         self.owner[request_id] = target
         self.lengths[request_id] = len(prompt_token_ids)
         self.requests[request_id] = (prompt_token_ids, params)
-        self.workers[target].send(AddRequest(request_id, prompt_token_ids, params))
+        return target
 
     def cancel(self, request_id: str) -> None:
         target = self._release(request_id)

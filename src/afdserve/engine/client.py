@@ -3,6 +3,7 @@ a cluster of local worker processes, Ray actors). ``LLM`` and the API server use
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +52,9 @@ class EngineClient(Protocol):
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str: ...
+
+    def add_requests(self, items: Sequence[tuple[PromptInput, SamplingParams | None]]) -> list[str]:
+        """Several requests, added together (all or none); their ids."""
 
     def abort(self, request_id: str) -> None: ...
 

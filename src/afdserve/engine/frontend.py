@@ -5,6 +5,7 @@ requests a stop string finished. A deployment supplies three calls: ``submit``, 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from afdserve.engine.output_processor import OutputProcessor
 from afdserve.engine.outputs import RequestOutput, TokenOutput
@@ -31,6 +32,20 @@ class FrontEnd:
 
     def poll(self, timeout: float) -> list[TokenOutput]:
         raise NotImplementedError
+
+    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Requests a caller added together (``add_requests``): a deployment whose workers take
+        requests by message sends them together, so that none is scheduled before all have come. By
+        default one ``submit`` each; if one fails, those submitted before it are cancelled."""
+        done = 0
+        try:
+            for eid, ids, params in requests:
+                self.submit(eid, ids, params)
+                done += 1
+        except BaseException:
+            for eid, _, _ in requests[:done]:
+                self.cancel(eid)
+            raise
 
     # ---- the EngineClient calls ---------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -64,6 +79,28 @@ class FrontEnd:
             self.outputs.drop(rid)
             raise
         return rid
+
+    def add_requests(self, items: Sequence[tuple[PromptInput, SamplingParams | None]]) -> list[str]:
+        """``add_request`` for several prompts at once (``LLM.generate``'s batch), submitted together
+        (``submit_many``). All or nothing: when one is refused, none of them stays queued."""
+        rids: list[str] = []
+        batch: list[tuple[str, list[int], SamplingParams]] = []
+        try:
+            for prompt, params in items:
+                text, ids = self.tokenize(prompt)
+                params = params or SamplingParams()
+                self.check_params(params)
+                rid = f"{self._prefix}{next(self._ids)}"
+                if self.outputs.is_taken(rid):
+                    raise RequestError(f"duplicate request id {rid!r}")
+                batch += [(eid, ids, p) for eid, p in self.outputs.add(rid, text, ids, params)]
+                rids.append(rid)
+            self.submit_many(batch)
+        except BaseException:
+            for rid in rids:
+                self.outputs.drop(rid)
+            raise
+        return rids
 
     def abort(self, request_id: str) -> None:
         for eid in self.outputs.drop(request_id):

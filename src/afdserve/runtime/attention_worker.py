@@ -18,8 +18,8 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.links import Links, PeerFailure, regroup, slot_bytes
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AttentionStats, GetStats, GetTrace, PeerLost,
-                                       Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AttentionStats, GetStats, GetTrace,
+                                       PeerLost, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
 from afdserve.runtime.core_board import join
@@ -102,11 +102,15 @@ class AttentionWorker:
     def _control(self, msg: ToWorker, ctl: ControlChannel) -> None:
         name = self.spec.name
         self.lanes.changed()
-        if isinstance(msg, AddRequest):
-            try:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.output_token_ids)
-            except Exception as e:  # validated by the front end already; report anyway
-                ctl.send(StepOutputs(name, [_failed(msg.request_id, f"{type(e).__name__}: {e}")], self._stats()))
+        if isinstance(msg, (AddRequest, AddRequests)):
+            failed = []
+            for r in msg.requests if isinstance(msg, AddRequests) else [msg]:
+                try:
+                    self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.output_token_ids)
+                except Exception as e:  # validated by the front end already; report anyway
+                    failed.append(_failed(r.request_id, f"{type(e).__name__}: {e}"))
+            if failed:
+                ctl.send(StepOutputs(name, failed, self._stats()))
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.engine.abort(rid)

@@ -64,6 +64,14 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
+class AddRequests:
+    """Requests a caller submitted together (``FrontEnd.add_requests``): the worker has them all
+    before it schedules any, so the first step of its lanes is not cut to the few that came first."""
+
+    requests: list[AddRequest]
+
+
+@dataclass(frozen=True)
 class AbortRequests:
     request_ids: list[str]
 
@@ -212,8 +220,8 @@ class Crashed:
     traceback: str
 
 
-ToWorker = Union[WorkerSpec, AddRequest, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap, SwitchMap,
-                 CommitMap, Regroup, Shutdown]
+ToWorker = Union[WorkerSpec, AddRequest, AddRequests, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap,
+                 SwitchMap, CommitMap, Regroup, Shutdown]
 FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Heartbeat, Crashed]
 _TYPES = ToWorker.__args__ + FromWorker.__args__  # type: ignore[attr-defined]
 

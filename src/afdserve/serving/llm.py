@@ -44,7 +44,7 @@ class LLM:
         params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
         for p in prompts:  # validate everything before anything is queued
             self.engine.tokenize(p)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = self.engine.add_requests(list(zip(prompts, params)))  # together: no step starts with the first few
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(ids):
