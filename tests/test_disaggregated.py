@@ -74,3 +74,14 @@ def test_a_generate_batch_reaches_the_lanes_whole(tiny_mixtral, tmp_path):
         llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     steps = sorted((s for s in load(str(trace))["attention0"] if s["name"] == "step"), key=lambda s: s["ts"])
     assert [s["args"]["tokens"] for s in steps[:2]] == [64, 64]
+
+
+def test_a_batch_split_over_several_messages_gives_the_same_tokens(references, monkeypatch):
+    """A batch larger than one AddRequests message holds goes in several; nothing changes."""
+    from afdserve.cluster import client
+
+    monkeypatch.setattr(client, "ADD_REQUESTS_PER_MESSAGE", 2)
+    path, ps, colocated = references
+    with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == colocated

@@ -44,6 +44,7 @@ from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddReques
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
+ADD_REQUESTS_PER_MESSAGE = 1024  # requests of one AddRequests message (a huge batch goes in several)
 
 
 class ClusterClient(FrontEnd):
@@ -153,8 +154,10 @@ class ClusterClient(FrontEnd):
         try:
             for rid, ids, params in requests:
                 by_worker.setdefault(self._place(rid, ids, params), []).append(AddRequest(rid, ids, params))
-            for target, batch in by_worker.items():
-                self.workers[target].send(batch[0] if len(batch) == 1 else AddRequests(batch))
+            for target, batch in by_worker.items():  # in bounded messages: a first one fills the lanes
+                for i in range(0, len(batch), ADD_REQUESTS_PER_MESSAGE):
+                    part = batch[i:i + ADD_REQUESTS_PER_MESSAGE]
+                    self.workers[target].send(part[0] if len(part) == 1 else AddRequests(part))
         except BaseException:
             for rid, _, _ in requests:  # nothing of the batch stays queued (an abort of one not sent is a no-op)
                 self.cancel(rid)
