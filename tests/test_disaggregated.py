@@ -80,7 +80,7 @@ def test_a_batch_split_over_several_messages_gives_the_same_tokens(references, m
     """A batch larger than one AddRequests message holds goes in several; nothing changes."""
     from afdserve.cluster import client
 
-    monkeypatch.setattr(client, "ADD_REQUESTS_PER_MESSAGE", 2)
+    monkeypatch.setattr(client, "ADDS_PER_MESSAGE", 2)
     path, ps, colocated = references
     with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ from typing import Any, Callable, Iterator
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
-from afdserve.cluster.prefix_routing import PrefixRecord, record_capacity
+from afdserve.cluster.prefix_routing import PrefixRecord, place, record_capacity
 from afdserve.cluster import rebalance, resize
 from afdserve.cluster.process_launcher import start_store
 from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST, CrashCounts, Heartbeats, Membership
@@ -38,13 +39,12 @@ from afdserve.planner import attention_request_cost
 from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, Crashed, FromWorker, GetStats,
-                                       GetTrace, PeerLost, Ready, Regroup, SetMicroBatches, Shutdown, StatsReply,
-                                       StepOutputs, ToWorker, TraceReply, WorkerSpec)
+from afdserve.runtime.messages import (ADDS_PER_MESSAGE, AbortRequests, Ack, AddRequest, AddRequests, Crashed,
+                                       FromWorker, GetStats, GetTrace, PeerLost, Ready, Regroup, SetMicroBatches,
+                                       Shutdown, StatsReply, StepOutputs, ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
-ADD_REQUESTS_PER_MESSAGE = 1024  # requests of one AddRequests message (a huge batch goes in several)
 
 
 class ClusterClient(FrontEnd):
@@ -144,40 +144,25 @@ class ClusterClient(FrontEnd):
 
     # ---- FrontEnd: requests to the attention workers -----------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        target = self._place(request_id, prompt_token_ids, params)
-        self.workers[target].send(AddRequest(request_id, prompt_token_ids, params))
+        self.submit_many([(request_id, prompt_token_ids, params)])
 
     def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """One message per attention worker: it has every request of the batch before its lanes
-        schedule any (sent one by one, the first lane's step would start with the first few)."""
-        by_worker: dict[str, list[AddRequest]] = {}
-        try:
-            for rid, ids, params in requests:
-                by_worker.setdefault(self._place(rid, ids, params), []).append(AddRequest(rid, ids, params))
-            for target, batch in by_worker.items():  # in bounded messages: a first one fills the lanes
-                for i in range(0, len(batch), ADD_REQUESTS_PER_MESSAGE):
-                    part = batch[i:i + ADD_REQUESTS_PER_MESSAGE]
-                    self.workers[target].send(part[0] if len(part) == 1 else AddRequests(part))
-        except BaseException:
-            for rid, _, _ in requests:  # nothing of the batch stays queued (an abort of one not sent is a no-op)
-                self.cancel(rid)
-            raise
-
-    def _place(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> str:
-        """Picks the request's attention worker and books it there; its name."""
+        """Each attention worker gets its share at once (``AddRequests``); all or nothing."""
         if self.failed:
             raise WorkerError(f"deployment failed: {self.failed}")
-        keys = self.routes.key(prompt_token_ids) if self.routes is not None and len(self.attention) > 1 else []
-        cached = self.routes.match(keys) if keys and self.routes is not None else None
-        # least predicted attention time, or the longest cached prefix while its load is not far above
-        target = self.balancer.pick(len(prompt_token_ids), params.max_tokens, cached)
-        if keys and self.routes is not None:
-            self.routes.add(target, keys)
-        self.balancer.add(target, request_id, len(prompt_token_ids))
-        self.owner[request_id] = target
-        self.lengths[request_id] = len(prompt_token_ids)
-        self.requests[request_id] = (prompt_token_ids, params)
-        return target
+        adds: dict[str, list[AddRequest]] = {}
+        try:
+            for rid, ids, params in requests:
+                target = place(self.balancer, self.routes, rid, ids, params.max_tokens, len(self.attention) > 1)
+                self.owner[rid], self.lengths[rid], self.requests[rid] = target, len(ids), (ids, params)
+                adds.setdefault(target, []).append(AddRequest(rid, ids, params))
+            for target, batch in adds.items():
+                for part in (batch[i:i + ADDS_PER_MESSAGE] for i in range(0, len(batch), ADDS_PER_MESSAGE)):
+                    self.workers[target].send(part[0] if len(part) == 1 else AddRequests(part))
+        except BaseException:
+            for rid, _, _ in requests:  # none stays queued (an abort of one not sent is a no-op)
+                self.cancel(rid)
+            raise
 
     def cancel(self, request_id: str) -> None:
         target = self._release(request_id)
@@ -462,6 +447,4 @@ class ClusterClient(FrontEnd):
 
 
 def _names(name: str, text: str) -> bool:
-    import re
-
     return re.search(rf"\b{name}\b", text) is not None

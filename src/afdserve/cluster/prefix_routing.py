@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from afdserve.balance.attention import AttentionBalancer
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import kv_blocks
 from afdserve.kvcache.cache import KVCache
@@ -63,3 +64,17 @@ def record_capacity(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> 
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                         cfg.block_size, parse_dtype(cfg.dtype))
     return kv_blocks(cfg, model_cfg, max_len) + int(cfg.prefix_cache_host_gb * 2**30 // per_block)
+
+
+def place(balancer: AttentionBalancer, routes: PrefixRecord | None, request_id: str, prompt_token_ids: list[int],
+          max_tokens: int, several: bool) -> str:
+    """The attention worker a new request goes to, booked there: the least predicted attention time,
+    or the longest cached prefix while its load is not far above (``several``: there is a choice;
+    with one worker the record is not consulted)."""
+    keys = routes.key(prompt_token_ids) if routes is not None and several else []
+    cached = routes.match(keys) if keys and routes is not None else None
+    target = balancer.pick(len(prompt_token_ids), max_tokens, cached)
+    if keys and routes is not None:
+        routes.add(target, keys)
+    balancer.add(target, request_id, len(prompt_token_ids))
+    return target

@@ -63,6 +63,9 @@ class AddRequest:
     output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
 
 
+ADDS_PER_MESSAGE = 1024  # requests of one AddRequests message at most (a huge batch goes in several)
+
+
 @dataclass(frozen=True)
 class AddRequests:
     """Requests a caller submitted together (``FrontEnd.add_requests``): the worker has them all
