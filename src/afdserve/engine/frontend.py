@@ -63,40 +63,30 @@ class FrontEnd:
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        text, ids = self.tokenize(prompt)
-        params = params or SamplingParams()
-        self.check_params(params)
-        rid = request_id if request_id is not None else f"{self._prefix}{next(self._ids)}"
-        if self.outputs.is_taken(rid):
-            raise RequestError(f"duplicate request id {rid!r}")
-        engine = self.outputs.add(rid, text, ids, params)
-        try:
-            for i, (eid, p) in enumerate(engine):
-                self.submit(eid, ids, p)
-        except BaseException:  # e.g. a failed deployment: nothing of the request stays queued
-            for eid, _ in engine[:i]:
-                self.cancel(eid)
-            self.outputs.drop(rid)
-            raise
-        return rid
+        return self._add([(prompt, params, request_id)])[0]
 
     def add_requests(self, items: Sequence[tuple[PromptInput, SamplingParams | None]]) -> list[str]:
         """``add_request`` for several prompts at once (``LLM.generate``'s batch), submitted together
         (``submit_many``). All or nothing: when one is refused, none of them stays queued."""
+        return self._add([(prompt, params, None) for prompt, params in items])
+
+    def _add(self, items: list[tuple[PromptInput, SamplingParams | None, str | None]]) -> list[str]:
+        """Validates and registers each request (a new id where it has none), then submits all their
+        engine requests together; if one is refused or the submission fails, none stays queued."""
         rids: list[str] = []
         batch: list[tuple[str, list[int], SamplingParams]] = []
         try:
-            for prompt, params in items:
+            for prompt, params, request_id in items:
                 text, ids = self.tokenize(prompt)
                 params = params or SamplingParams()
                 self.check_params(params)
-                rid = f"{self._prefix}{next(self._ids)}"
+                rid = request_id if request_id is not None else f"{self._prefix}{next(self._ids)}"
                 if self.outputs.is_taken(rid):
                     raise RequestError(f"duplicate request id {rid!r}")
                 batch += [(eid, ids, p) for eid, p in self.outputs.add(rid, text, ids, params)]
                 rids.append(rid)
             self.submit_many(batch)
-        except BaseException:
+        except BaseException:  # e.g. a failed deployment: nothing of them stays queued
             for rid in rids:
                 self.outputs.drop(rid)
             raise
