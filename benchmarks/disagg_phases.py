@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from afdserve.engine.stats import cpu_seconds, process_tree
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,10 +53,10 @@ def main() -> None:
     procs: dict[str, dict[int, str]] = {}  # engine -> its processes (pid -> label)
 
     def load(name: str, **kw) -> LLM:
-        before = set(descendants())
+        before = set(process_tree(os.getpid()))
         llm = LLM(path, **kw, **common)
         procs[name] = {os.getpid(): "front end" if kw.get("expert_workers") else "engine (this process)",
-                       **{pid: title(pid) for pid in descendants() if pid not in before}}
+                       **{pid: title(pid) for pid in process_tree(os.getpid()) if pid not in before}}
         return llm
 
     engines = {"colocated": load("colocated", num_threads=args.cores, expert_workers=0),
@@ -142,33 +144,9 @@ def main() -> None:
                       f, indent=1)
 
 
-def descendants() -> list[int]:
-    """The processes under this one (none where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for d in entries:
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-            except (OSError, IndexError):
-                pass
-    out, todo = [], list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def process_cpu_s(pid: int) -> float:
     """CPU seconds a process's threads have run so far: nanoseconds from each thread's schedstat
     where the kernel has them (the ticks of /proc/<pid>/stat are 10 ms), else those ticks."""
-    from afdserve.engine.stats import cpu_seconds
-
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
         total = 0

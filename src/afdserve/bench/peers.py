@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from afdserve.bench import peer_driver
 from afdserve.bench.peer_driver import Failed, Generate, Generated, Load, Loaded, Shutdown
-from afdserve.engine.stats import cpu_seconds
+from afdserve.engine.stats import cpu_seconds, process_tree
 
 DRIVER = Path(peer_driver.__file__).resolve()
 REFERENCE = "vllm"  # ratios are against this engine
@@ -144,20 +144,7 @@ class PeerProcess:
 
     def pids(self) -> list[int]:
         """This driver and every process under it."""
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-                except (OSError, IndexError):
-                    pass
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
+        return process_tree(self.proc.pid)
 
     def cpu_seconds(self) -> float:
         return sum(c for c in map(cpu_seconds, self.pids()) if c is not None)

@@ -30,6 +30,28 @@ class EngineStats:
     dropped_expert_assignments: int = 0  # (token, k) pairs dropped while an expert worker was missing (so far)
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process under it, ``root`` first (only ``root`` where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [root]
+    for d in entries:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            except (OSError, IndexError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a process (None once it is gone)."""
     try:
