@@ -32,12 +32,11 @@ class Tracer:
         if not self.enabled:
             yield args
             return
-        t0 = time.time_ns() / 1e3
+        t0 = time.time_ns()
         try:
             yield args
         finally:
-            if len(self.spans) < self.limit:
-                self.spans.append(Span(name, t0, time.time_ns() / 1e3 - t0, args))
+            self.since(name, t0, **args)
 
     def since(self, name: str, t0_ns: int, **args: object) -> None:
         """Records a span from ``t0_ns`` (``time.time_ns()``) to now: for a block timed anyway,
