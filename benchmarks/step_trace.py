@@ -42,7 +42,7 @@ def run(batch: int, new_tokens: int, args: argparse.Namespace) -> dict:
     llm = LLM(args.model or str(demo_model_path()), dtype="bfloat16", num_threads=args.threads, max_num_seqs=batch,
               max_num_batched_tokens=max(2048, batch * args.prompt_len), max_model_len=args.prompt_len + new_tokens + 1,
               expert_workers=1, micro_batches=args.micro_batches, compile=args.compile, trace=path,
-              lend_idle_cores=not args.no_lend_idle_cores)
+              lend_idle_cores=not args.no_lend_idle_cores, device=args.device)
     rng = random.Random(batch)
     top = min(30000, llm.engine.vocab_size)  # token ids any vocabulary holds
     prompts = [{"prompt_token_ids": [rng.randrange(100, top) for _ in range(args.prompt_len)]} for _ in range(batch)]
@@ -68,11 +68,12 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--no-lend-idle-cores", action="store_true",
                     help="the expert worker borrows no core (as benchmarks/pingpong.py runs by default)")
+    ap.add_argument("--device", default="cpu", help="the workers' device (cuda: both on the one GPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # the front end only detokenizes
     rows = [run(int(b), args.new_tokens, args) for b in args.batches.split(",")]
-    print(f"1 attention + 1 expert worker, m={args.micro_batches}, {args.threads} thread(s) each, bf16"
+    print(f"1 attention + 1 expert worker, m={args.micro_batches}, {args.threads} thread(s) each, bf16, {args.device}"
           f"{', compiled' if args.compile else ''}: ms per decode step of the whole batch (its lanes overlap)")
     print(f"{'batch':>6} " + " ".join(f"{title:>17}" for _, title in COLUMNS))
     for r in rows:
@@ -85,7 +86,8 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "step_trace", "micro_batches": args.micro_batches, "threads": args.threads,
+            json.dump({"benchmark": "step_trace", "device": args.device, "micro_batches": args.micro_batches,
+                       "threads": args.threads,
                        "compile": args.compile,
                        "lend_idle_cores": not args.no_lend_idle_cores, "rows": rows}, f, indent=1)
 
