@@ -9,6 +9,10 @@ import pytest
 import torch
 
 from afdserve import LLM, SamplingParams, kernels
+from afdserve.config import EngineConfig
+from afdserve.errors import ConfigError
+from afdserve.model.config import ModelConfig
+from afdserve.runtime.trace_plot import load
 from afdserve.kernels import build
 from afdserve.runtime.core_board import CLAIM_LANES, CoreBoard
 from afdserve.runtime.lm_head import BLOCK, EXPERT_PIECE_DIVISOR, ClaimWords, ExpertLMWork, FixedRange, LMJob
@@ -135,6 +139,40 @@ def test_a_shared_lm_head_gives_transformers_tokens(big_vocab_model, lend, logpr
                             SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=logprobs))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all((o.outputs[0].logprobs is not None) == (logprobs is not None) for o in outs)
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_the_lm_head_in_one_call_gives_transformers_tokens(big_vocab_model, logprobs, tmp_path):
+    """``lm_head_pieces=False`` (the default on an accelerator): the attention worker computes each
+    lane's LM head in one call and the expert workers take none of it; the same tokens."""
+    rng = random.Random(3)
+    ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(5, 40))] for _ in range(12)]
+    want = hf_greedy(big_vocab_model, ps, 8)
+    trace = str(tmp_path / "trace.json")
+    with LLM(str(big_vocab_model), num_kv_blocks=64, expert_workers=1, micro_batches=2, lm_head_pieces=False,
+             trace=trace) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=logprobs))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    spans = load(trace)
+    layers = ModelConfig.from_pretrained(big_vocab_model).num_layers
+    lm = [e for e in spans["attention0"] if e["args"].get("phase") == "lm_head"]
+    last = [e for e in spans["attention0"] if e["name"] == "attention" and e["args"].get("layer") == layers - 1
+            and "phase" not in e["args"]]  # each lane step's last layer
+    assert lm and len(lm) == len(last)  # one LM head call per lane step
+    assert not [e for e in spans["expert0"] if e["args"].get("phase") == "lm_head"]
+
+
+def test_the_lm_head_goes_in_pieces_and_to_expert_workers_only_on_the_cpu():
+    assert EngineConfig(model="m").lm_head_in_pieces and EngineConfig(model="m").lm_head_helper_share == 0.75
+    assert not EngineConfig(model="m", device="cuda").lm_head_in_pieces
+    assert EngineConfig(model="m", device="cuda").lm_head_helper_share == 0.0
+    assert EngineConfig(model="m", expert_device="cuda").lm_head_helper_share == 0.0  # pieces, none to experts
+    assert EngineConfig(model="m", expert_device="cuda").lm_head_in_pieces
+    assert EngineConfig(model="m", lm_head_pieces=False).lm_head_helper_share == 0.0
+    assert EngineConfig(model="m", device="cuda", lm_head_pieces=True).lm_head_in_pieces
+    with pytest.raises(ConfigError, match="lm_head_pieces"):
+        EngineConfig(model="m", lm_head_pieces="yes")
 
 
 def test_a_run_goes_out_when_the_reply_slot_is_full():

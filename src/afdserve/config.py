@@ -72,6 +72,10 @@ class EngineConfig:
     # the largest share of the LM head's vocabulary the expert workers compute (each attention worker
     # balances its share within [0, this] by measured busy time; 0: all on the attention workers)
     lm_head_share: float = 0.75
+    # an attention worker computes a step's LM head in pieces between which its other lanes run (and
+    # expert workers take blocks of it): None is on the CPU only, where the lanes share a core; on an
+    # accelerator a piece is a few launches and a share a round of copies, so it is one call there
+    lm_head_pieces: bool | None = None
     # local cluster: an expert worker's MoE kernel borrows the threads of attention workers that wait
     # for its replies (they share this machine's cores; afdserve.runtime.core_board)
     lend_idle_cores: bool = True
@@ -122,6 +126,8 @@ class EngineConfig:
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
         check("lm_head_share", isinstance(self.lm_head_share, (int, float)) and not isinstance(self.lm_head_share, bool)
               and 0 <= self.lm_head_share < 1, "must be a fraction in [0, 1)")
+        check("lm_head_pieces", self.lm_head_pieces is None or isinstance(self.lm_head_pieces, bool),
+              "must be true, false or None (on the CPU only)")
         check("lend_idle_cores", isinstance(self.lend_idle_cores, bool), "must be true or false")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")
@@ -139,6 +145,20 @@ class EngineConfig:
 
         if self.deployment is None:  # else the spec file sets the workers (afdserve.cluster.resolve_deployment)
             self.check_workers()
+
+    @property
+    def lm_head_in_pieces(self) -> bool:
+        """Whether attention workers compute the LM head in pieces (``lm_head_pieces``, by default
+        where they run on the CPU)."""
+        return self.device == "cpu" if self.lm_head_pieces is None else self.lm_head_pieces
+
+    @property
+    def lm_head_helper_share(self) -> float:
+        """The largest share of the LM head expert workers take: ``lm_head_share`` where the LM head
+        goes in pieces and the expert workers run on the CPU, else 0 (their pieces would be launches
+        and copies of their own)."""
+        on_cpu = (self.expert_device or self.device) == "cpu"
+        return self.lm_head_share if self.lm_head_in_pieces and on_cpu else 0.0
 
     def check_workers(self) -> None:
         if self.cluster == "ray" and self.expert_workers < 1:

@@ -47,9 +47,9 @@ class AttentionWorker:
         # borrows those of expert workers waiting for it
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
-                                      lm_head_share=cfg.lm_head_share, lm_reply_bytes=slot_bytes(spec) - 64,
+                                      lm_head_share=cfg.lm_head_helper_share, lm_reply_bytes=slot_bytes(spec) - 64,
                                       lender=join(spec.core_board, "attention", spec.index, cfg.num_threads or 1),
-                                      index=spec.index)
+                                      index=spec.index, lm_head_pieces=cfg.lm_head_in_pieces)
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)

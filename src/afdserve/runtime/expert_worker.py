@@ -44,7 +44,7 @@ class ExpertWorker:
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
-        lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_share > 0 else None
+        lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_helper_share > 0 else None
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
                                      lm_head)
         # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and

@@ -32,7 +32,7 @@ def slot_bytes(spec: WorkerSpec) -> int:
     need = c.max_num_batched_tokens * (cfg.hidden_size * 4 + cfg.top_k * 8)
     if spec.role == "attention":
         # a step's sequences' logits of the share (a lane step with more rows sends a smaller share)
-        need = max(need, c.max_num_seqs * -(-int(cfg.vocab_size * c.lm_head_share) // 32) * 32 * 4)
+        need = max(need, c.max_num_seqs * -(-int(cfg.vocab_size * c.lm_head_helper_share) // 32) * 32 * 4)
     return need + 4 * 64
 
 

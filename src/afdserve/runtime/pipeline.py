@@ -72,7 +72,7 @@ class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
                  micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
                  tracker: LoadTracker | None = None, lm_head_share: float = 0.0, lm_reply_bytes: int = 0,
-                 lender: Lender | None = None, index: int = 0):
+                 lender: Lender | None = None, index: int = 0, lm_head_pieces: bool = True):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
         self.version = 0  # of the expert map; sent with every dispatch
         self.tracker = tracker
@@ -88,6 +88,7 @@ class PipelinedRunner:
         # dispatches of different lanes out of order (it merges the same layer's tokens)
         self._expect: dict[int, dict[tuple[int, int, int], tuple[Dispatch, Part]]] = {}
         self.lm = LMHeadShare(lm_head_share, lm_reply_bytes)
+        self.lm_pieces = lm_head_pieces  # else the LM head is one call (EngineConfig.lm_head_pieces)
         self.lender = lender  # this worker's cores, lent to expert workers while it waits for them
         self.index = index  # this attention worker's
         # with a core board, the LM head's blocks are taken from a shared word (work stealing); else
@@ -228,6 +229,9 @@ class PipelinedRunner:
             if d.parts:
                 yield d
             x = self.combine(d)
+        if not self.lm_pieces:
+            with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
+                return m.greedy(x[rows]) if greedy else m.logits(x[rows])
         # the LM head, in pieces between which other lanes run; the expert workers take pieces too
         xn = m.final_norm(x[rows])
         best = Best(xn.shape[0], m.device) if greedy else None
