@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {  # engine options; each deployment uses the machine's 2 cores
     "colocated": dict(num_threads=2),
     "disagg": dict(expert_workers=1, attention_workers=1, micro_batches=2, num_threads=1),
+    # more worker processes than cores: what a change does where peers share a core
+    "disagg2x2": dict(expert_workers=2, attention_workers=2, micro_batches=2, num_threads=1),
 }
 
 

@@ -85,3 +85,17 @@ def test_a_batch_split_over_several_messages_gives_the_same_tokens(references, m
     with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == colocated
+
+
+def test_waits_spin_long_only_where_each_worker_thread_has_a_core(monkeypatch):
+    from types import SimpleNamespace
+
+    from afdserve.config import EngineConfig
+    from afdserve.runtime import links
+
+    monkeypatch.setattr(links.os, "sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    spin = lambda **kw: links.spin_options(SimpleNamespace(config=EngineConfig(model="m", **kw)))  # noqa: E731
+    assert spin(expert_workers=1) == {"spin_s": links.OWN_CORES_SPIN_S}  # 1 + 1, a thread each
+    assert spin(expert_workers=1, num_threads=2) == {}  # 4 threads on 2 cores
+    assert spin(expert_workers=2, attention_workers=2) == {}
+    assert spin(expert_workers=1, cluster="ray") == {}  # workers on other machines: their cores unknown here

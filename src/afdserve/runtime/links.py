@@ -19,6 +19,19 @@ from afdserve.runtime.messages import Ready, Regroup, WorkerSpec
 
 PeerFailure = PeerError  # a peer died, closed or stalled past the deadline; the message names it
 
+# a wait spins up to this long before it sleeps where each worker thread of a local deployment has
+# a core of its own: the spin then keeps no awaited peer off its core, and waking from a sleep costs
+# each hand-off tens of microseconds, as long as a small batch's layer takes (where workers share
+# cores, CommConfig's short spin stays: a long one would hold the peer off the core it waits on)
+OWN_CORES_SPIN_S = 1e-3
+
+
+def spin_options(spec: WorkerSpec) -> dict:
+    """CommConfig overrides for how this worker's waits spin (see ``OWN_CORES_SPIN_S``)."""
+    c = spec.config
+    threads = (c.attention_workers + c.expert_workers) * (c.num_threads or 1)
+    return {"spin_s": OWN_CORES_SPIN_S} if c.cluster == "local" and threads <= len(os.sched_getaffinity(0)) else {}
+
 
 def slot_bytes(spec: WorkerSpec) -> int:
     """Largest payload of one message a worker receives: every token of a step's micro-batch with
@@ -57,7 +70,7 @@ class Links:
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
         cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max_micro_batches(spec.config.micro_batches) + 1,
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
-                         connect_timeout_s=spec.config.startup_timeout_s, **spec.comm)
+                         connect_timeout_s=spec.config.startup_timeout_s, **(spin_options(spec) | spec.comm))
         comm = Communicator(spec.name, store, cfg, group=group or spec.group)
         present = [p for i, p in enumerate(peers) if i not in set(missing)]
         comm.connect(send_to=present, recv_from=present)
