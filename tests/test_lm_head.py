@@ -201,3 +201,28 @@ def test_a_worker_lost_while_lm_head_blocks_are_taken_is_replaced_and_outputs_st
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert generate_losing(llm, prompts, params, victim, fault) == want
         assert llm.engine.membership.restarts == {victim: 1}
+
+
+def test_an_expert_worker_reads_its_lm_head_when_the_first_share_comes(big_vocab_model):
+    """Where its own config expects no shares (an accelerator) an expert worker holds a loader, not
+    the LM head: an attention worker of a deployment spec may run on the CPU and send shares anyway."""
+    from afdserve.model.loader import CheckpointReader
+    from afdserve.model.model import ExpertModel, read_lm_head
+    from afdserve.runtime.expert_compute import ExpertCompute
+    from afdserve.runtime.expert_map import ExpertMap
+
+    cfg = ModelConfig.from_pretrained(big_vocab_model)
+    reader = CheckpointReader(big_vocab_model)
+    reads = []
+    loader = lambda: reads.append(1) or read_lm_head(reader, cfg, torch.float32)  # noqa: E731
+    experts = ExpertModel.load(big_vocab_model, None, torch.float32, cfg, reader)
+    emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, 1, [cfg.num_experts])
+    compute = ExpertCompute(experts, None, 0, {0: emap}, lm_head=loader)
+    assert not reads
+    w = read_lm_head(reader, cfg, torch.float32)
+    xn = torch.randn(3, cfg.hidden_size)
+    for a, b in ((0, 64), (64, 160)):
+        out = torch.empty(3, b - a)
+        compute.logits(xn, a, b, out)
+        torch.testing.assert_close(out, xn @ w[a:b].T)
+    assert len(reads) == 1

@@ -3,6 +3,8 @@ LM head, when attention workers send one)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from afdserve.balance.load import LoadTracker
@@ -19,10 +21,13 @@ class ExpertCompute:
     expert map (of the version the sender used) says which (token, k) pairs are this worker's."""
 
     def __init__(self, experts: ExpertModel, routers: dict[int, Router] | None, worker: int,
-                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None, lm_head: torch.Tensor | None = None):
+                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None,
+                 lm_head: torch.Tensor | Callable[[], torch.Tensor] | None = None):
         self.routers, self.worker, self.maps = routers, worker, maps
         self.experts = experts
-        self.lm_head = lm_head  # [vocab, hidden]: for the share of the LM head attention workers send
+        # [vocab, hidden]: for the share of the LM head attention workers send (a loader: read when
+        # the first share comes; None: this worker takes no share)
+        self.lm_head = lm_head
         self.tracker = tracker  # records logical routing when the gate runs here
         cfg = experts.cfg
         # pairs per (layer, logical expert), the last column those routed elsewhere: counted on the
@@ -58,6 +63,8 @@ class ExpertCompute:
         lm_head_argmax(xn.to(w.device), w, best, start, end)
 
     def _held_lm_head(self) -> torch.Tensor:
+        if callable(self.lm_head):
+            self.lm_head = self.lm_head()
         if self.lm_head is None:
             raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
         return self.lm_head

@@ -44,7 +44,10 @@ class ExpertWorker:
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
-        lm_head = read_lm_head(reader, model_cfg, dtype).to(self.device) if cfg.lm_head_helper_share > 0 else None
+        # an LM head where this worker expects shares of it; read on the first share elsewhere (an
+        # attention worker of a deployment spec may run on another device than this config names)
+        load_lm_head = lambda: read_lm_head(reader, model_cfg, dtype).to(self.device)  # noqa: E731
+        lm_head = None if cfg.lm_head_share <= 0 else load_lm_head() if cfg.lm_head_helper_share > 0 else load_lm_head
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
                                      lm_head)
         # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and
