@@ -27,7 +27,8 @@ OWN_CORES_SPIN_S = 1e-3
 
 
 def spin_options(spec: WorkerSpec) -> dict:
-    """CommConfig overrides for how this worker's waits spin (see ``OWN_CORES_SPIN_S``)."""
+    """CommConfig overrides for how this worker's waits spin (see ``OWN_CORES_SPIN_S``). Every worker
+    is counted with this one's threads (a deployment spec's other role may have other counts)."""
     c = spec.config
     threads = (c.attention_workers + c.expert_workers) * (c.num_threads or 1)
     return {"spin_s": OWN_CORES_SPIN_S} if c.cluster == "local" and threads <= len(os.sched_getaffinity(0)) else {}
