@@ -247,3 +247,26 @@ def test_a_shared_memory_wait_sleeps_on_the_futex():
     got[0].release()
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("yielding", [False, True])
+def test_a_wait_does_not_spin_while_its_core_is_given_away(yielding):
+    """``Progress.yield_core``: a wait whose cores another process borrowed sleeps at once instead of
+    spinning on them, and that is not a failed spin (the budget stays)."""
+    from afdserve.comm.progress import _now, Progress
+
+    p = Progress(spin_s=10.0)  # a spin would last until the deadline
+    p._waits = 1  # not a probe wait
+    p.yield_core = (lambda: True) if yielding else None
+    calls = [0]
+
+    def ready() -> bool:
+        calls[0] += 1
+        return False
+
+    with pytest.raises(TimeoutError):
+        p.wait(ready, lambda: None, _now() + 0.05, lambda: TimeoutError("late"))
+    if yielding:
+        assert calls[0] < 100 and p._spin == 10.0  # a check per sleep of at most BLOCK_CHUNK_S
+    else:
+        assert calls[0] > 1000  # spun until the deadline

@@ -231,3 +231,14 @@ def test_a_local_deployment_lends_and_closes_its_board(tiny_model):
             assert [o.outputs[0].token_ids for o in outs] == want
         if lend:
             assert board.fd is None
+
+
+def test_a_lender_knows_when_its_lent_cores_are_borrowed(board):
+    lender = board.lender(slot("attention", 0), 1)
+    assert not lender.borrowed()
+    lender.lend()
+    assert not lender.borrowed()  # lent, nobody holds them
+    board._ints[SLOTS + lender.slot] = os.getpid()  # a borrower's claim (kernels/csrc/lend.cpp)
+    assert lender.borrowed()
+    lender.reclaim()
+    assert not lender.borrowed()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,11 @@ class Communicator:
             tensors = (tensors,)
         deadline = _now() + (self.config.deadline_s if timeout is None else timeout)
         ch.send(tensors, _NO_META if meta is None else meta, deadline, self._progress)
+
+    def yield_core_when(self, fn: Callable[[], bool] | None) -> None:
+        """Waits stop spinning and sleep while ``fn()`` is true (e.g. another process's thread was
+        given the cores this one lends while it waits); None: spin as budgeted."""
+        self._progress.yield_core = fn
 
     def recv(self, peer: Peer, *, timeout: float | None = None) -> Message:
         """The next message from ``peer`` (in order), waiting at most ``timeout`` seconds."""

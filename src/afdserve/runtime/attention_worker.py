@@ -43,13 +43,15 @@ class AttentionWorker:
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "attention" else None
-        # with a core board it lends its cores while it waits for expert replies, and its LM head
-        # borrows those of expert workers waiting for it
+        # with a core board it lends its cores while it waits for expert replies (not spinning on them
+        # once borrowed), and its LM head borrows those of expert workers waiting for it
+        lender = join(spec.core_board, "attention", spec.index, cfg.num_threads or 1)
+        self.yield_core = lender.borrowed if lender is not None else None
+        self.links.comm.yield_core_when(self.yield_core)
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
                                       lm_head_share=cfg.lm_head_helper_share, lm_reply_bytes=slot_bytes(spec) - 64,
-                                      lender=join(spec.core_board, "attention", spec.index, cfg.num_threads or 1),
-                                      index=spec.index, lm_head_pieces=cfg.lm_head_in_pieces)
+                                      lender=lender, index=spec.index, lm_head_pieces=cfg.lm_head_in_pieces)
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
@@ -129,7 +131,8 @@ class AttentionWorker:
             self.runner.set_map(msg.map_version if msg.expert_map is not None else self.runner.version,
                                 msg.expert_map or self.runner.full_map, msg.missing)
             self.peers = [worker_name("expert", j) for j in range(msg.expert_workers)]
-            self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing)
+            self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing,
+                                                       self.yield_core)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg.version, msg.expert_map)  # (never while an expert worker is missing)

@@ -108,6 +108,10 @@ class Lender:
         self._ints[self.slot] = 0
         self._ints[SLOTS + self.slot] = 0  # a claim made before the wake lapses at its chunk's end
 
+    def borrowed(self) -> bool:
+        """Another worker runs threads on the cores this one lends now (its waits should not spin)."""
+        return self._ints[SLOTS + self.slot] != 0
+
     def wake(self, peer: int) -> None:
         """Before this worker sends to the owner of slot ``peer``: that owner stops lending now, so
         threads borrowed on its cores leave at their next chunk and nothing claims them again

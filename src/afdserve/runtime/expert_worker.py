@@ -60,7 +60,10 @@ class ExpertWorker:
         self.busy_ns = 0  # time spent computing, reported with every reply (the senders balance by it)
         self.peers = [worker_name("attention", i) for i in range(cfg.attention_workers)]
         # a deferred replacement connects on its first Regroup (its peers serve around it meanwhile)
-        self.links: Links | None = None if spec.deferred else Links.connect(spec, peers=self.peers)
+        # its waits do not spin on its cores while an attention worker's LM head borrows them
+        self.yield_core = self.lender.borrowed if self.lender is not None else None
+        self.links: Links | None = None if spec.deferred else Links.connect(spec, peers=self.peers,
+                                                                             yield_core=self.yield_core)
         self.waiting_for_regroup = spec.deferred  # a peer was lost: nothing to gather until the links are new
         self.epoch = spec.epoch  # membership epoch of the links
 
@@ -128,7 +131,7 @@ class ExpertWorker:
                 c.experts = regroup_experts(c.experts, held, self.reader).to(self.device)
                 c.maps = {msg.map_version: msg.expert_map}
             self.peers = [worker_name("attention", i) for i in range(msg.attention_workers)]
-            self.links = regroup(self.links, self.spec, self.peers, msg, ctl)
+            self.links = regroup(self.links, self.spec, self.peers, msg, ctl, yield_core=self.yield_core)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, PrepareMap):  # hold the union of the current and the new map's experts
             cur = [set(p.expert_ids) for p in c.experts.layers]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -63,9 +63,10 @@ class Links:
 
     @classmethod
     def connect(cls, spec: WorkerSpec, peers: Sequence[str], group: str | None = None,
-                missing: Sequence[int] = ()) -> "Links":
+                missing: Sequence[int] = (), yield_core: Callable[[], bool] | None = None) -> "Links":
         """Links to ``peers`` (but the ``missing`` indices) in the deployment's M2N group (``group``:
-        of a later membership epoch)."""
+        of a later membership epoch); their waits do not spin while ``yield_core()`` (another worker
+        borrowed this one's lent cores)."""
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
@@ -73,6 +74,7 @@ class Links:
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **(spin_options(spec) | spec.comm))
         comm = Communicator(spec.name, store, cfg, group=group or spec.group)
+        comm.yield_core_when(yield_core)
         present = [p for i, p in enumerate(peers) if i not in set(missing)]
         comm.connect(send_to=present, recv_from=present)
         return cls(comm, peers, present)
@@ -145,11 +147,11 @@ def _td(seconds: float):
 
 
 def regroup(links: Links | None, spec: WorkerSpec, peers: Sequence[str], msg: Regroup, ctl: ControlChannel,
-            missing: Sequence[int] = ()) -> Links:
+            missing: Sequence[int] = (), yield_core: Callable[[], bool] | None = None) -> Links:
     """A worker's part of a membership change: close the old links (none: a deferred replacement),
     connect in the new epoch's group, say so (``Ready(worker, pid, epoch)``)."""
     if links is not None:
         links.close()
-    new = Links.connect(spec, peers, group=msg.group, missing=missing)
+    new = Links.connect(spec, peers, group=msg.group, missing=missing, yield_core=yield_core)
     ctl.send(Ready(spec.name, os.getpid(), msg.epoch))
     return new
