@@ -93,7 +93,7 @@ def test_waits_spin_long_only_where_each_worker_thread_has_a_core(monkeypatch):
     from afdserve.config import EngineConfig
     from afdserve.runtime import links
 
-    monkeypatch.setattr(links.os, "sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    monkeypatch.setattr(links, "cpu_cores", lambda: 2)  # a 2-core machine
     spin = lambda **kw: links.spin_options(SimpleNamespace(config=EngineConfig(model="m", **kw)))  # noqa: E731
     assert spin(expert_workers=1) == {"spin_s": links.OWN_CORES_SPIN_S}  # 1 + 1, a thread each
     assert spin(expert_workers=1, num_threads=2) == {}  # 4 threads on 2 cores

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from afdserve.comm import CommConfig, Communicator, Message, Meta, PeerError, PeerTimeoutError
+from afdserve.kernels.build import cpu_cores
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.messages import Ready, Regroup, WorkerSpec
 
@@ -31,7 +32,7 @@ def spin_options(spec: WorkerSpec) -> dict:
     is counted with this one's threads (a deployment spec's other role may have other counts)."""
     c = spec.config
     threads = (c.attention_workers + c.expert_workers) * (c.num_threads or 1)
-    return {"spin_s": OWN_CORES_SPIN_S} if c.cluster == "local" and threads <= len(os.sched_getaffinity(0)) else {}
+    return {"spin_s": OWN_CORES_SPIN_S} if c.cluster == "local" and threads <= cpu_cores() else {}
 
 
 def slot_bytes(spec: WorkerSpec) -> int:
