@@ -97,7 +97,7 @@ class Progress:
         self._waits += 1
         budget = self.spin_s if not self._waits & 15 else self._spin
         yield_core = self.yield_core
-        if budget > 0 and not (yield_core is not None and yield_core()):
+        if budget > 0:
             now = _now()
             spin_end = min(now + budget, deadline)
             busy_end = min(spin_end + BUSY_SPIN_S, deadline) if busy is not None else spin_end
