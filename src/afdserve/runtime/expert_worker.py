@@ -4,6 +4,7 @@ tokens that every attention worker sent (and, with the expert-side gate, the rou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,14 @@ class ExpertWorker:
         self.reader = reader
         # an LM head where this worker expects shares of it; read on the first share elsewhere (an
         # attention worker of a deployment spec may run on another device than this config names)
-        load_lm_head = lambda: read_lm_head(reader, model_cfg, dtype).to(self.device)  # noqa: E731
-        lm_head = None if cfg.lm_head_share <= 0 else load_lm_head() if cfg.lm_head_helper_share > 0 else load_lm_head
+        def load_lm_head() -> torch.Tensor:
+            return read_lm_head(reader, model_cfg, dtype).to(self.device)
+
+        lm_head: torch.Tensor | Callable[[], torch.Tensor] | None = None
+        if cfg.lm_head_helper_share > 0:
+            lm_head = load_lm_head()
+        elif cfg.lm_head_share > 0:
+            lm_head = load_lm_head
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker,
                                      lm_head)
         # with a core board, the fused MoE kernel borrows the cores of waiting attention workers, and
