@@ -39,15 +39,14 @@ class AttentionWorker:
         path = Path(spec.model_path)
         model_cfg = ModelConfig.from_pretrained(path)
         self.peers = [worker_name("expert", j) for j in range(spec.expert_map.num_workers)]
-        self.links = Links.connect(spec, peers=self.peers)
-        side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
-        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
-            if cfg.gate == "attention" else None
         # with a core board it lends its cores while it waits for expert replies (not spinning on them
         # once borrowed), and its LM head borrows those of expert workers waiting for it
         lender = join(spec.core_board, "attention", spec.index, cfg.num_threads or 1)
         self.yield_core = lender.borrowed if lender is not None else None
-        self.links.comm.yield_core_when(self.yield_core)
+        self.links = Links.connect(spec, peers=self.peers, yield_core=self.yield_core)
+        side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+            if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
                                       lm_head_share=cfg.lm_head_helper_share, lm_reply_bytes=slot_bytes(spec) - 64,
