@@ -12,6 +12,7 @@ import pytest
 
 from afdserve import LLM, SamplingParams
 from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST
+from afdserve.runtime.messages import PeerLost
 
 POISON = 77  # a prompt holding this token makes the attention worker raise in its embedding
 
@@ -83,3 +84,30 @@ def test_an_expert_worker_crashing_every_step_fails_the_requests_in_flight(tiny_
         assert llm.engine.membership.restarts == {"expert0": MAX_CRASHES_PER_REQUEST}
         planted.unlink()
         assert _run(llm, prompts, params) == want
+
+
+def test_a_crash_counts_when_a_peers_report_of_it_is_read_first(tiny_mixtral, planted):
+    """A worker that raises reports it (Crashed) before it exits, so before its peers see it go; but the
+    front end may read a peer's report of the loss (PeerLost) first, when both are waiting. The crash
+    still counts against the requests in flight, with the worker's error (uncounted, a request that
+    crashes its worker every time got one restart more than MAX_CRASHES_PER_REQUEST: a flaky
+    failure of the test above), and the worker is replaced once."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(str(tiny_mixtral), num_kv_blocks=64, expert_workers=1, micro_batches=2) as llm:
+        client = llm.engine
+        want = _run(llm, [[5, 6, 7, 8]], params)
+        planted.touch()
+        rid = client.add_request({"prompt_token_ids": [5, 6, 7, 8]}, params)
+        expert = client.workers["expert0"]
+        expert.wait(60)  # it raised on its first layer, reported it and exited; nothing was read meanwhile
+        assert expert.process.poll() is not None, "the expert worker did not exit"
+        planted.unlink()
+        client._handle("attention0", PeerLost("attention0", "expert0", "closed its side", client.membership.epoch))
+        assert client.membership.restarts == {"expert0": 1}
+        assert "planted fault: expert flag" in client.membership.last_failure["expert0"]
+        done, deadline = None, time.monotonic() + 120
+        while done is None:  # the request runs again on the replacement
+            assert time.monotonic() < deadline, "the request hung"
+            done = next((o for o in client.get_outputs(timeout=1.0) if o.request_id == rid and o.finished), None)
+        assert (list(done.outputs[0].token_ids), done.error) == want[0]
+        assert client.membership.restarts == {"expert0": 1}

@@ -128,7 +128,7 @@ class ClusterClient(FrontEnd):
         self._closed = True
         if self.config.trace and self.workers and not self.failed:
             try:
-                self.write_trace(self.config.trace)
+                write_chrome_trace(self.config.trace, self.traces())
             except Exception:
                 pass
         for w in self.workers.values():  # attention workers first: they stop sending
@@ -219,7 +219,10 @@ class ClusterClient(FrontEnd):
         if isinstance(msg, PeerLost):  # a report from an older epoch is about links already replaced
             if msg.epoch < self.membership.epoch or msg.peer not in self.workers:
                 return []
-            return self._lost(msg.peer, f"{msg.worker} lost it: {msg.reason}")
+            lost = self.workers[msg.peer]  # its own report first: one that raised sent it before its peers saw it go
+            outs = [o for name, m in self._receive([msg.peer], 0.0) for o in self._handle(name, m)]
+            replaced = self.workers.get(msg.peer) is not lost  # by that report, or by the end of its channel
+            return outs if replaced else outs + self._lost(msg.peer, f"{msg.worker} lost it: {msg.reason}")
         if isinstance(msg, Ready) and msg.epoch == self.membership.epoch and self.membership.recovery is not None:
             self.membership.ready(name)
             self.heartbeats.heard(name)
@@ -424,9 +427,6 @@ class ClusterClient(FrontEnd):
         """Every live worker's trace events since the last call (numbered rows of one trace)."""
         got = self.call(sorted(self._live()), GetTrace, TraceReply, timeout)
         return {name: m.events for name, m in sorted(got.items())}
-
-    def write_trace(self, path: str) -> None:
-        write_chrome_trace(path, self.traces())
 
     def stats(self) -> EngineStats:
         m = self.membership
