@@ -7,7 +7,7 @@ subprocess per deployment (JSON lines on stdin/stdout); greedy token ids of both
 
     python benchmarks/ab_trees.py --base REV [--new PATH_OR_REV] [--rounds 5] [--batches 8,64]
         [--prompt-len 32] [--max-tokens 64] [--deployments colocated,disagg] [--json out/ab_trees.json]
-        [--threads N] [--new-options '{"compile": true}'] [--fresh-prompts]
+        [--threads N] [--new-options '{"compile": true}'] [--base-options '{...}'] [--fresh-prompts]
 
 Without ``--fresh-prompts`` every round sends the same prompts, so after the first round their
 prefills hit the prefix cache and tok/s is nearly all decode; with it, every call sends new prompts
@@ -239,6 +239,8 @@ def main() -> None:
                          "in the prefix cache, so tok/s includes them")
     ap.add_argument("--new-options", type=json.loads, default={},
                     help="JSON object of engine options (LLM keywords) given to the new side only")
+    ap.add_argument("--base-options", type=json.loads, default={},
+                    help="JSON object of engine options (LLM keywords) given to the base side only")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.deployments = args.deployments.split(",")
@@ -260,7 +262,7 @@ def main() -> None:
         for dep in args.deployments:  # started one at a time, so loads don't compete
             for side, tree in trees.items():
                 options = ({"num_threads": args.threads} if args.threads else {}) \
-                    | (args.new_options if side == "new" else {})
+                    | (args.new_options if side == "new" else args.base_options)
                 cfg = {"tree": str(tree), "deployment": dep, "dtype": args.dtype, "max_batch": max(batches),
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "options": options}
                 print(f"starting {side} {dep} ...", flush=True)
@@ -285,7 +287,8 @@ def main() -> None:
                         for side in trees},
               "engines": imported,
               "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments",
-                                                          "fresh_prompts", "threads", "new_options")}
+                                                          "fresh_prompts", "threads", "new_options",
+                                                          "base_options")}
               | {"batches": batches, "engine_options": {d: DEPLOYMENTS[d] for d in args.deployments}},
               "summary": rows, "rounds": raw}
     if args.json:

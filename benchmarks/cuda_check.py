@@ -159,7 +159,10 @@ def gemm() -> dict:
 
 
 def attention() -> dict:
-    from afdserve.model.attention import AttentionPart, AttnMetadata
+    from afdserve.backends import choose
+    from afdserve.backends.step import StepBuffers, StepLayout
+    from afdserve.model.attention import AttentionPart
+    from afdserve.model.layers import prepare_all
     from afdserve.model.rope import Rope
 
     res = {}
@@ -176,15 +179,20 @@ def attention() -> dict:
         part = AttentionPart(cfg, torch.bfloat16).to("cuda")
         for p in part.parameters():
             p.data.normal_(0, 0.02)
+        backends = choose("cuda", torch.bfloat16)
+        prepare_all(part, backends)
+        part.bind(backends)
         bs = 16
         blocks = (ctx + bs - 1) // bs
         perm = torch.randperm(s * blocks).view(s, blocks).tolist()  # scattered blocks, as after churn
         k_cache = torch.randn(s * blocks * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
         v_cache = torch.randn_like(k_cache)
-        meta = AttnMetadata.from_blocks([1] * s, [ctx] * s, perm, bs).to(torch.device("cuda"))
+        layout = StepLayout.from_blocks([1] * s, [ctx] * s, perm, bs)
+        step = backends.attention.prepare(layout, (0,), StepBuffers("cuda"))
         x = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
-        cos_sin = Rope.from_config({"rope_theta": cfg.rope_theta}, hd, ctx + 1).cos_sin(meta.positions, x.dtype)
-        t = cuda_time(lambda: part(x, cos_sin, meta, k_cache, v_cache))
+        step.cos, step.sin = Rope.from_config({"rope_theta": cfg.rope_theta}, hd, ctx + 1).cos_sin(step.positions,
+                                                                                                   x.dtype)
+        t = cuda_time(lambda: part(x, step, k_cache, v_cache))
         kv_bytes = 2 * s * ctx * nkv * hd * 2
         w_bytes = sum(p.numel() * p.element_size() for p in part.parameters())
         res[name] = {"ms": t * 1e3, "gbps": (kv_bytes + w_bytes) / t / 1e9, "kv_mib": kv_bytes / 2**20}

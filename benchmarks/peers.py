@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from afdserve import kernels
 from afdserve.bench import peers as P
 from afdserve.bench.peer_bound import memcpy_bytes_per_s, run_bound
 from afdserve.bench.peers_report import plot, points, table
-from afdserve.kernels.build import cpuinfo
+from afdserve.backends import cpu_kernels
+from afdserve.config import cpuinfo
 from afdserve.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,10 +129,10 @@ def main() -> int:
                                     if b in peers.experts_touched else None),
                            dtype_bytes=torch.finfo(getattr(torch, args.dtype)).bits // 8) for b in batches}
     rows = points(P.summarize(peers.runs), bounds)
-    print(f"\n{cpuinfo('model name') or platform.machine()}, {args.cores} cores, afdserve kernels: {kernels.isa()}")
+    print(f"\n{cpuinfo('model name') or platform.machine()}, {args.cores} cores, afdserve kernels: {cpu_kernels()}")
     print(table(rows, new_tokens, bandwidth))
     report = {
-        "machine": {"cpu": cpuinfo("model name") or platform.machine(), "kernels": kernels.isa(), "cores": args.cores,
+        "machine": {"cpu": cpuinfo("model name") or platform.machine(), "kernels": cpu_kernels(), "cores": args.cores,
                     "memcpy_moved_bytes_per_s": bandwidth, "torch": torch.__version__},
         "model": model, "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": new_tokens,
         "rounds": args.rounds, "engines": {s.name: {"load": asdict(s.load), "env": s.env} for s in specs},

@@ -12,7 +12,7 @@ disaggregated deployment has processes. Workers do not lend idle cores to each o
 (lent cores fill m=1's bubbles too, a different mechanism; docs/runtime.md).
 
     python benchmarks/pingpong.py [--batch 64] [--tokens 48] [--json out/pingpong.json] [--trace-dir out]
-                                  [--lm-head-share F] [--lend-idle-cores] [--dtype bfloat16]
+                                  [--lend-idle-cores] [--dtype bfloat16]
                                   [--cluster ray [--ray-address ADDRESS]]
 
 With ``--cluster ray`` the disaggregated deployments run as Ray actors (attention workers on nodes
@@ -186,8 +186,6 @@ def main() -> None:
     ap.add_argument("--only", default="m,na,coloc", help="which comparisons to run")
     ap.add_argument("--model", default=None, help="HF model folder (default: the benchmark variant of the demo model)")
     ap.add_argument("--bench-model-dir", default="~/.cache/afdserve/pingpong-model-v2")
-    ap.add_argument("--lm-head-share", type=float, default=None,
-                    help="the expert workers' share of the LM head (default: the engine's, balanced at run time)")
     ap.add_argument("--dtype", default="bfloat16", help="weights and activations (the engine's default is float32)")
     ap.add_argument("--lend-idle-cores", action="store_true",
                     help="let expert workers borrow the cores of waiting attention workers (the engine's default)")
@@ -204,8 +202,6 @@ def main() -> None:
     model = args.model or bench_model(args.bench_model_dir)
     vocab = ModelConfig.from_pretrained(model).vocab_size
     one = dict(num_threads=1, kv_cache_gb=2.0, lend_idle_cores=args.lend_idle_cores, dtype=args.dtype)
-    if args.lm_head_share is not None:
-        one["lm_head_share"] = args.lm_head_share
     res: dict = {"batch": args.batch, "tokens": args.tokens, "cores": os.cpu_count(),
                  "lend_idle_cores": args.lend_idle_cores}
 

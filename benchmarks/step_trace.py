@@ -32,7 +32,7 @@ from afdserve.runtime.trace_steps import breakdown, idle_beside
 COLUMNS = [("step_ms", "step"), ("attention_layers_ms", "attn layers"), ("lm_head_ms", "attn LM head"),
            ("send_ms", "attn send"), ("engine_ms", "engine"), ("wait_ms", "attn wait"),
            ("other_ms", "attn other"),
-           ("expert_busy_ms", "expert MoE"), ("expert_lm_head_ms", "expert LM head"), ("expert_send_ms", "expert send"),
+           ("expert_busy_ms", "expert MoE"), ("expert_send_ms", "expert send"),
            ("expert_idle_ms", "expert idle")]
 
 

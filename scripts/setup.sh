@@ -25,4 +25,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 # the C++ CPU kernels of this machine (built once into ~/.cache/afdserve/kernels; without a compiler
 # afdserve runs its PyTorch paths)
-.venv/bin/python -m afdserve.kernels
+.venv/bin/python -m afdserve.backends.cpu

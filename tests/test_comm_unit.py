@@ -250,14 +250,14 @@ def test_a_shared_memory_wait_sleeps_on_the_futex():
 
 
 @pytest.mark.parametrize("yielding", [False, True])
-def test_a_wait_does_not_spin_while_its_core_is_given_away(yielding):
-    """``Progress.yield_core``: a wait whose cores another process borrowed sleeps at once instead of
-    spinning on them, and that is not a failed spin (the budget stays)."""
+def test_a_wait_does_not_spin_while_told_not_to(yielding):
+    """``Progress.no_spin``: a wait whose core is wanted elsewhere sleeps at once instead of spinning
+    on it, and that is not a failed spin (the budget stays)."""
     from afdserve.comm.progress import _now, Progress
 
     p = Progress(spin_s=10.0)  # a spin would last until the deadline
     p._waits = 1  # not a probe wait
-    p.yield_core = (lambda: True) if yielding else None
+    p.no_spin = (lambda: True) if yielding else None
     calls = [0]
 
     def ready() -> bool:

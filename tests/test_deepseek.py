@@ -4,6 +4,7 @@ allocator and in the planner."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,8 @@ from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import build_colocated, kv_blocks
 from afdserve.kvcache.cache import KVCache
-from afdserve.model.attention import AttnMetadata
+from afdserve.backends.step import StepLayout
+from afdserve.engine.runner import ModelInput
 from afdserve.model.config import ModelConfig
 from tiny_models import deepseek_config, hf_config, hf_greedy, make_deepseek_checkpoint
 
@@ -91,13 +93,13 @@ def test_prefill_and_absorbed_decode_logits(models):
     with torch.no_grad():
         ref = hf(torch.tensor([p])).logits[0]
     eng.blocks.reserve(7, len(p))
-    slots = eng.blocks.slots(7, len(p))
-    prefill = AttnMetadata.build([len(p) - 1], [slots[:-1]])
-    ours = eng.runner.forward(torch.tensor(p[:-1]), prefill, torch.arange(len(p) - 1))
+    table, bs = eng.blocks.batch_table([7]), eng.blocks.block_size
+    prefill = StepLayout.of([len(p) - 1], [len(p) - 1], table, bs)
+    ours = eng.runner.forward(ModelInput(np.array(p[:-1]), prefill, np.arange(len(p) - 1))).logits
     torch.testing.assert_close(ours, ref[:-1], rtol=1e-4, atol=1e-4)
-    decode = AttnMetadata.build([1], [slots])
-    assert decode.decode_rows is not None
-    ours = eng.runner.forward(torch.tensor(p[-1:]), decode, torch.arange(1))
+    decode = StepLayout.of([1], [len(p)], table, bs)
+    assert decode.is_decode
+    ours = eng.runner.forward(ModelInput(np.array(p[-1:]), decode, np.arange(1))).logits
     torch.testing.assert_close(ours, ref[-1:], rtol=1e-4, atol=1e-4)
 
 
@@ -135,6 +137,7 @@ def test_softmax_scale_of_real_configs():
 def test_router_matches_transformers():
     """V3's routing (sigmoid, correction bias, groups) and V2's group-limited softmax, token by token."""
     import transformers as tf
+    from afdserve.backends import choose
     from afdserve.model.router import Router
 
     torch.manual_seed(0)
@@ -150,6 +153,7 @@ def test_router_matches_transformers():
         if version == 3:
             hf_router.e_score_correction_bias.copy_(torch.rand(hf_cfg.n_routed_experts) - 0.5)
             ours.bias.copy_(hf_router.e_score_correction_bias)
+        ours.prepare(choose("cpu", torch.float32))
         y = torch.randn(50, hf_cfg.hidden_size)
         _, w_ref, ids_ref = hf_router(y)
         ids, w = ours(y)

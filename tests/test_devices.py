@@ -9,7 +9,9 @@ from afdserve import LLM, SamplingParams
 from afdserve.cluster.spec import DeploymentSpec
 from afdserve.config import EngineConfig
 from afdserve.errors import ConfigError, ModelError
-from afdserve.model.attention import AttnMetadata
+from afdserve.backends.pytorch.attention import TorchAttention, _decode_keys
+from afdserve.backends.pytorch.norm import TorchNorm
+from afdserve.backends.step import StepBuffers, StepLayout
 from afdserve.model.loader import parse_device
 
 from tiny_models import hf_greedy
@@ -36,14 +38,16 @@ def test_colocated_engine_refuses_a_separate_expert_device(tiny_mixtral):
         LLM(str(tiny_mixtral), device="cpu", expert_device="cuda:1", num_kv_blocks=64)
 
 
-def test_metadata_moves_with_its_decode_keys_prepared():
-    slots = [torch.arange(5), torch.arange(16, 19)]
-    meta = AttnMetadata.build([1, 1], slots)
-    assert meta.to(torch.device("cpu")) is meta  # nothing to move
-    moved = meta.to(torch.device("meta"), windows=(0, 2))  # a device without data: only placement is checked
-    assert moved.positions.device.type == "meta" and all(s.device.type == "meta" for s in moved.kv_slots)
-    assert set(moved._decode_kv) == {0, 2}  # prepared on the host: no read-back from the device per layer
-    assert all(t.device.type == "meta" for pair in moved._decode_kv.values() for t in pair)
+def test_a_steps_context_is_staged_on_the_device_with_its_decode_keys_prepared():
+    """The torch backend's context of a step: built on the host once, for every key window, and
+    staged onto the device (the meta device, without data, stands in for a GPU: placement only)."""
+    layout = StepLayout.from_blocks([1, 1], [5, 3], [[0, 1], [4]], 4)
+    ctx = TorchAttention(TorchNorm()).prepare(layout, (0, 2), StepBuffers("meta"))
+    assert ctx.positions.device.type == "meta" and ctx.slot_mapping.device.type == "meta"
+    assert set(ctx.decode_kv) == {0, 2}  # prepared on the host: no read-back from the device per layer
+    assert all(t.device.type == "meta" for pair in ctx.decode_kv.values() for t in pair)
+    host = TorchAttention(TorchNorm()).prepare(layout, (0,), StepBuffers("cpu"))
+    assert host.positions.tolist() == [4, 2] and host.slot_mapping.tolist() == [4, 18]
 
 
 def test_explicit_cpu_device_is_token_identical_to_transformers(tiny_mixtral):
@@ -67,9 +71,9 @@ def test_deployment_spec_sets_each_roles_device():
 
 
 def test_attention_inputs_that_fused_cuda_kernels_misread_are_recognised():
-    """``model.layers.sdpa`` sends these through the math backend on CUDA (an H200 raised a
+    """The torch backend's ``sdpa`` sends these through the math backend on CUDA (an H200 raised a
     misaligned address for values sliced at an odd offset, the tiny DeepSeek-V3's)."""
-    from afdserve.model.layers import _rows_aligned
+    from afdserve.backends.pytorch.sdpa import _rows_aligned
 
     x = torch.randn(4, 8, 32)
     k, v = x.split([10, 22], -1)
@@ -80,7 +84,7 @@ def test_attention_inputs_that_fused_cuda_kernels_misread_are_recognised():
 
 @pytest.mark.parametrize("window", [0, 5, 40])
 def test_decode_keys_from_block_tables_match_each_sequences_own_slots(window):
-    """``decode_kv`` (whole-batch operations over the block tables) against each sequence's slots
+    """The decodes' keys (whole-batch operations over the block tables) against each sequence's slots
     taken one by one: blocks scattered, released ones (-1) before the window, mixed with a prefill."""
     g = torch.Generator().manual_seed(window)
     bs, lens, qlens = 4, [1, 7, 30, 13, 2], [1, 1, 6, 1, 1]
@@ -88,9 +92,9 @@ def test_decode_keys_from_block_tables_match_each_sequences_own_slots(window):
     tables = [[blocks.pop() for _ in range(-(-n // bs))] for n in lens]
     if window:  # blocks wholly before the window were given back
         tables = [[-1 if (j + 1) * bs <= n - window else b for j, b in enumerate(t)] for t, n in zip(tables, lens)]
-    meta = AttnMetadata.from_blocks(qlens, lens, tables, bs)
-    slots, mask = meta.decode_kv(window)
-    for row, i in enumerate(meta.decode_seqs.tolist()):
+    layout = StepLayout.from_blocks(qlens, lens, tables, bs)
+    slots, mask = _decode_keys(layout, layout.decode_seqs, window)
+    for row, i in enumerate(layout.decode_seqs.tolist()):
         n = lens[i]
         own = [tables[i][p // bs] * bs + p % bs for p in range(max(0, n - window) if window else 0, n)]
         assert mask[row, 0, 0].sum() == len(own)

@@ -10,17 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afdserve import kernels
-from afdserve.kernels import build
-from afdserve.model.layers import RMSNorm
-from afdserve.model.rope import Rope, apply_rotary
+from afdserve.backends import cpu as kernels
+from afdserve.backends.cpu import build
+from afdserve.backends.pytorch.norm import apply_rotary, rms_norm as torch_rms_norm
+from afdserve.model.rope import Rope
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {build.load().reason}")
 
 
 def needs(kernel: str, dtype: torch.dtype = torch.float32) -> None:
     """Skips unless ``kernel`` runs for ``dtype`` here (a CPU with AVX2 but not AVX-512 builds some)."""
-    if not kernels.supports(kernel, torch.zeros(1, dtype=dtype)):
+    if not kernels.supports(kernel, dtype):
         pytest.skip(f"no {kernel} kernel for {dtype} on this CPU")
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -52,7 +52,7 @@ def _moe_reference(x, w1, w2, ids, w, local, act, b1, b2):
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 def test_fused_moe_matches_the_reference(dtype, tokens, hidden, inter, experts, k, act):
     needs("fused_moe", dtype)
-    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+    from afdserve.backends.cpu.ops import fused_moe, pack_down, pack_gate_up
 
     g = torch.Generator().manual_seed(tokens * 7 + hidden)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
@@ -86,7 +86,7 @@ def test_fused_moe_gives_a_pair_its_bits_whatever_the_rows_beside_it(dtype):
     """An expert's pairs are packed in groups (spread evenly, up to 12 rows each): every count of
     rows gives each token exactly what it gets alone, so a lane of 32 tokens and a batch of 64 agree."""
     needs("fused_moe", dtype)
-    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+    from afdserve.backends.cpu.ops import fused_moe, pack_down, pack_gate_up
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(40, 64, generator=g).to(dtype)
@@ -106,7 +106,7 @@ def test_fused_moe_reads_no_scratch_it_did_not_write(dtype):
     """The kernel's packed activations are not zeroed (every unit of a real row is written before it
     is read): with memory the allocator hands back full of NaNs, results stay the reference's."""
     needs("fused_moe", dtype)
-    from afdserve.kernels.moe import fused_moe, pack_down, pack_gate_up
+    from afdserve.backends.cpu.ops import fused_moe, pack_down, pack_gate_up
 
     g = torch.Generator().manual_seed(11)
     tokens, hidden, inter, experts = 70, 96, 40, 5  # groups of uneven rows; inter not a multiple of 16
@@ -154,7 +154,7 @@ def test_paged_attention_matches_the_reference(dtype, nh, nkv, hd, bs, window, s
     """Decodes and prefill pieces (a whole prompt, a chunk after a cached prefix) in one call, blocks
     scattered through the cache; a windowed sequence's blocks before its window are given back (-1)."""
     needs("paged_attention", dtype)
-    from afdserve.kernels.attention import paged_attention
+    from afdserve.backends.cpu.ops import paged_attention
 
     g = torch.Generator().manual_seed(nh * hd + bs)
     nblocks = 64
@@ -183,7 +183,7 @@ def test_paged_attention_matches_the_reference(dtype, nh, nkv, hd, bs, window, s
 @needs_kernels
 def test_paged_attention_refuses_bad_metadata():
     needs("paged_attention")
-    from afdserve.kernels.attention import paged_attention
+    from afdserve.backends.cpu.ops import paged_attention
 
     kc = torch.zeros(64, 2, 16)
     q = torch.zeros(3, 4, 16)
@@ -201,23 +201,21 @@ def test_paged_attention_refuses_bad_metadata():
 def test_rms_norm_is_the_modules(dtype, dim):
     """Bit for bit as the PyTorch RMSNorm in 16-bit types; float32 within an ulp (the sum's order)."""
     needs("rms_norm", dtype)
-    from afdserve.kernels.layers import add_rms_norm, rms_norm
+    from afdserve.backends.cpu.ops import add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(dim)
-    norm = RMSNorm(dim, 1e-5, dtype)
-    norm.weight.data.copy_(torch.randn(dim, generator=g) * 0.2 + 1)
+    weight = (torch.randn(dim, generator=g) * 0.2 + 1).to(dtype)
     x, r = torch.randn(7, dim, generator=g).to(dtype), torch.randn(7, dim, generator=g).to(dtype)
-    with torch.inference_mode():  # the module's arithmetic (which runs the kernel itself when it can)
+    with torch.inference_mode():  # the torch backend's arithmetic
         h = x + r
-        hs = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-        expect = norm.weight * hs.to(dtype)
-        got_h, got_y = add_rms_norm(x, r, norm.weight, 1e-5)
+        expect = torch_rms_norm(h, weight, 1e-5)
+        got_h, got_y = add_rms_norm(x, r, weight, 1e-5)
         assert torch.equal(got_h, h)
         if dtype == torch.float32:
             assert torch.allclose(got_y, expect, rtol=1e-6, atol=1e-6)
-            assert torch.allclose(rms_norm(h, norm.weight, 1e-5), expect, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(rms_norm(h, weight, 1e-5), expect, rtol=1e-6, atol=1e-6)
         else:
-            assert torch.equal(got_y, expect) and torch.equal(rms_norm(h, norm.weight, 1e-5), expect)
+            assert torch.equal(got_y, expect) and torch.equal(rms_norm(h, weight, 1e-5), expect)
 
 
 @needs_kernels
@@ -227,7 +225,7 @@ def test_rope_cache_is_the_modules(dtype, nh, nkv, d, rot, qk_norm):
     """Queries as apply_rotary gives them, keys and values written at their slots (partial rotary,
     Qwen3's q/k norms); bit for bit without the norms (float32 too), within an ulp with them."""
     needs("rope_cache", dtype)
-    from afdserve.kernels.layers import rope_cache
+    from afdserve.backends.cpu.ops import rope_cache
 
     g = torch.Generator().manual_seed(nh * d + rot)
     t = 5
@@ -235,16 +233,13 @@ def test_rope_cache_is_the_modules(dtype, nh, nkv, d, rot, qk_norm):
     qkv = torch.randn(t, (nh + 2 * nkv) * d, generator=g).to(dtype)
     kc, vc = torch.zeros(64, nkv, d, dtype=dtype), torch.zeros(64, nkv, d, dtype=dtype)
     slots = torch.tensor([5, 9, 33, 2, 60])
-    norms = [RMSNorm(d, 1e-6, dtype), RMSNorm(d, 1e-6, dtype)]
-    for n in norms:
-        n.weight.data.copy_(torch.randn(d, generator=g) * 0.2 + 1)
+    norms = [(torch.randn(d, generator=g) * 0.2 + 1).to(dtype) for _ in range(2)]
     with torch.inference_mode():
-        q = rope_cache(qkv, cos, sin, kc, vc, slots, nh, nkv, *((n.weight for n in norms) if qk_norm else (None, None)),
-                       1e-6)
+        q = rope_cache(qkv, cos, sin, kc, vc, slots, nh, nkv, *(norms if qk_norm else (None, None)), 1e-6)
         rq, rk, rv = qkv.split([nh * d, nkv * d, nkv * d], -1)
         rq, rk, rv = rq.view(t, nh, d), rk.reshape(t, nkv, d), rv.reshape(t, nkv, d)
         if qk_norm:
-            rq, rk = norms[0](rq.contiguous()), norms[1](rk.contiguous())
+            rq, rk = torch_rms_norm(rq, norms[0], 1e-6), torch_rms_norm(rk, norms[1], 1e-6)
         rq, rk = apply_rotary(rq, cos, sin), apply_rotary(rk, cos, sin)
     assert torch.equal(vc[slots], rv)
     if qk_norm and dtype == torch.float32:
@@ -254,8 +249,8 @@ def test_rope_cache_is_the_modules(dtype, nh, nkv, d, rot, qk_norm):
 
 
 def test_switched_off_kernels_leave_the_pytorch_paths():
-    code = ("from afdserve import kernels; from afdserve.kernels.build import load; import torch; "
-            "print(kernels.available(), kernels.supports('fused_moe', torch.zeros(1)), load().reason)")
+    code = ("from afdserve.backends import cpu as kernels; from afdserve.backends.cpu.build import load; import torch; "
+            "print(kernels.available(), kernels.supports('fused_moe', torch.float32), load().reason)")
     env = {**os.environ, "AFDSERVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split()[:2] == ["False", "False"] and "AFDSERVE_KERNELS=0" in out
@@ -263,13 +258,13 @@ def test_switched_off_kernels_leave_the_pytorch_paths():
 
 def test_a_failed_build_warns_and_leaves_the_pytorch_paths(tmp_path):
     """No compiler: the kernels are unavailable with the reason, a warning says so, nothing raises."""
-    code = ("import warnings, torch; from afdserve.kernels import build, supports\n"
+    code = ("import warnings, torch; from afdserve.backends.cpu import build, supports\n"
             "def broken(d): raise RuntimeError('no compiler here')\n"
             "build._compile = broken\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    s = build.load()\n"
-            "print(s.ok, supports('paged_attention', torch.zeros(1)), 'no compiler here' in s.reason, len(w))")
+            "print(s.ok, supports('paged_attention', torch.float32), 'no compiler here' in s.reason, len(w))")
     env = {**os.environ, "AFDSERVE_CACHE": str(tmp_path)}  # nothing built there
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "True", "1"]
@@ -282,7 +277,7 @@ def test_a_failed_build_warns_and_leaves_the_pytorch_paths(tmp_path):
 def test_linear_matches_the_reference(dtype, rows, n, k, bias):
     """Any N (padded to whole column blocks), float32 outputs from bfloat16 inputs on request."""
     needs("linear", dtype)
-    from afdserve.kernels.linear import linear, pack
+    from afdserve.backends.cpu.ops import linear, pack
 
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -302,7 +297,7 @@ def test_linear_takes_any_number_of_rows(dtype):
     """Every row count of a group and past it (rows spread evenly over groups of up to 12; the tiles
     take them whole, or in fours, threes, twos and ones) gives each row the result it gets alone."""
     needs("linear", dtype)
-    from afdserve.kernels.linear import linear, pack
+    from afdserve.backends.cpu.ops import linear, pack
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(40, 96, generator=g).to(dtype)
@@ -314,30 +309,6 @@ def test_linear_takes_any_number_of_rows(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_out_writes_a_column_range_in_place(dtype):
-    """The LM head in pieces: each piece written straight into its columns of the whole logits (a
-    row stride wider than the piece) gives the bits of one whole call, and nothing outside them."""
-    needs("linear", dtype)
-    from afdserve.kernels.linear import linear, linear_out, pack
-
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(13, 64, generator=g).to(dtype)
-    w = (torch.randn(200, 64, generator=g) * 0.1).to(dtype)
-    whole = linear(x, pack(w), 200, None, torch.float32)
-    out = torch.full((13, 200), float("nan"))
-    for a, b in ((0, 64), (64, 96), (96, 200)):  # whole column blocks, the last one ragged
-        linear_out(x, pack(w[a:b]), b - a, out[:, a:b])
-    assert torch.equal(out, whole)
-    sentinel = torch.full((13, 200), -7.0)
-    linear_out(x, pack(w[64:96]), 32, sentinel[:, 64:96])
-    assert torch.equal(sentinel[:, 64:96], whole[:, 64:96])
-    assert (sentinel[:, :64] == -7).all() and (sentinel[:, 96:] == -7).all()
-    with pytest.raises(RuntimeError, match="unit column stride"):
-        linear_out(x, pack(w[:32]), 32, torch.empty(32, 13).T)
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 13, 40])
 def test_linear_argmax_is_torch_argmax_of_the_logits(dtype, rows):
     """The greedy LM head: each row's largest output and its index plus the offset, without the
@@ -345,7 +316,7 @@ def test_linear_argmax_is_torch_argmax_of_the_logits(dtype, rows):
     first NaN), over any number of columns (a ragged last block), with a bias, in chunks of blocks
     that threads merge in any order."""
     needs("linear", dtype)
-    from afdserve.kernels.linear import linear, linear_argmax, pack
+    from afdserve.backends.cpu.ops import linear, linear_argmax, pack
 
     g = torch.Generator().manual_seed(13)
     x = torch.randn(rows, 512, generator=g).to(dtype)  # 40 rows: chunks of 3 blocks (parallel_lent)
@@ -375,26 +346,24 @@ def test_linear_argmax_is_torch_argmax_of_the_logits(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_big_logits_written_past_the_caches_keep_their_bits(dtype):
-    """Logits of 2 MiB or more are written with streaming stores where a block is aligned (here
-    every other row: a row stride of 8,040 floats), with plain stores elsewhere: the same bits as
-    the plain-stored call, also in pieces and for the ragged last block."""
+    """Logits of 2 MiB or more (``stream``: the LM head's) are written with streaming stores where a
+    block is aligned (rows of 8,030 floats: some are, some are not), with plain stores elsewhere and
+    for the ragged last block: the bits of the plain-stored call."""
     needs("linear", dtype)
-    from afdserve.kernels.linear import linear, linear_out, pack
+    from afdserve.backends.cpu.ops import linear, pack
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(136, 64, generator=g).to(dtype)
-    w = (torch.randn(8030, 64, generator=g) * 0.1).to(dtype)
-    whole = linear(x, pack(w), 8030, None, torch.float32)  # a new tensor: plain stores
-    out = torch.full((136, 8040), float("nan"))[:, :8030]  # 136 x 8,040 floats: past 2 MiB
-    for a, b in ((0, 4096), (4096, 8030)):
-        linear_out(x, pack(w[a:b]), b - a, out[:, a:b])
-    assert torch.equal(out, whole)
+    w = pack((torch.randn(8030, 64, generator=g) * 0.1).to(dtype))
+    plain = linear(x, w, 8030, None, torch.float32)
+    streamed = linear(x, w, 8030, None, torch.float32, stream=True)
+    assert streamed.nbytes >= 2 << 20 and torch.equal(streamed, plain)
 
 
 def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
     """The extension builder's lock file, left by a killed build, is removed by the next build (which
     holds afdserve's own lock), not waited on forever."""
-    code = ("import torch; from afdserve.kernels import build\n"
+    code = ("import torch; from afdserve.backends.cpu import build\n"
             "d = build.build_dir(); d.mkdir(parents=True); (d / 'lock').touch()\n"
             "seen = []\n"
             "def fake(directory): seen.append((directory / 'lock').exists()); raise RuntimeError('built')\n"
@@ -410,21 +379,23 @@ def test_a_build_killed_midway_does_not_hold_up_the_next(tmp_path):
 @needs_kernels
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_fused_attention_half_is_the_layer_call_by_call(arch, dtype, tmp_path, monkeypatch):
-    """``attention_half`` (one call a layer) gives the bits of the kernels called one by one from
-    Python: h, y, the routing and the caches, for decodes and prefill pieces in one batch; with QKV
-    biases (Qwen2-MoE), q/k norms (Qwen3-MoE), sinks, output biases, windows and a biased router
-    (gpt-oss, whose router stays in Python)."""
+def test_the_fused_attention_half_is_the_layer_call_by_call(arch, dtype, tmp_path):
+    """``attention_half`` (the cpu attention backend: one call a layer) gives the bits of its kernels
+    called one by one: h, y, the router's logits and the caches, for decodes and prefill pieces in
+    one batch; with QKV biases (Qwen2-MoE), q/k norms (Qwen3-MoE), sinks, output biases, windows and
+    a biased router (gpt-oss, whose router's logits are computed apart)."""
     needs("attention_half", dtype)
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_models import make_checkpoint, make_gpt_oss_checkpoint
 
+    from afdserve.backends import choose
+    from afdserve.backends.cpu.ops import add_rms_norm, linear, paged_attention, rms_norm, rope_cache
+    from afdserve.backends.step import StepLayout
     from afdserve.kvcache.cache import KVCache
-    from afdserve.model.attention import AttentionPart, AttnMetadata
     from afdserve.model.model import AttentionModel
 
     path = make_gpt_oss_checkpoint(tmp_path / "m") if arch == "gpt_oss" else make_checkpoint(tmp_path / "m", arch)
-    model = AttentionModel.load(path, dtype)
+    model = AttentionModel.load(path, dtype).prepare(choose("cpu", dtype, "cpu"))
     cfg, bs = model.cfg, 4
     qlens, kv_lens = [1, 6, 1, 1, 3], [9, 6, 20, 2, 13]
     g = torch.Generator().manual_seed(0)
@@ -432,27 +403,36 @@ def test_the_fused_attention_half_is_the_layer_call_by_call(arch, dtype, tmp_pat
     for n in kv_lens:
         tables.append(perm[i: i + -(-n // bs)])
         i += len(tables[-1])
-    meta = AttnMetadata.from_blocks(qlens, kv_lens, tables, bs).to(torch.device("cpu"), model.windows)
-    x = torch.randn(sum(qlens), cfg.hidden_size, generator=g).to(dtype)
-    cos_sin = model.rotary.cos_sin(meta.positions, dtype)
+    from afdserve.backends.step import StepBuffers
 
-    def run(fused: bool):
+    ctx = model.context(StepLayout.from_blocks(qlens, kv_lens, tables, bs), StepBuffers("cpu"))
+    x = torch.randn(sum(qlens), cfg.hidden_size, generator=g).to(dtype)
+
+    def one_by_one(a, router, k, v):
+        qkv, o_p = a.qkv.op, a.o_proj.op
+        xn = rms_norm(x, a.input_norm.weight, a.eps)
+        norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
+        q = rope_cache(linear(xn, qkv.packed, qkv.out_features, qkv.bias), ctx.cos, ctx.sin, k, v, ctx.slot_mapping,
+                       a.num_heads, a.num_kv_heads, *norms, a.eps)
+        sinks = None if a.sinks is None else a.sinks.float()
+        att = paged_attention(q, k, v, ctx.block_tables, ctx.kv_lens, ctx.cu_q, bs, a.window, a.scale, sinks)
+        h, y = add_rms_norm(linear(att.view(x.shape[0], -1), o_p.packed, o_p.out_features, o_p.bias), x,
+                            a.post_norm.weight, a.eps)
+        return h, y, None if router is None else linear(y, router.packed, router.out_features).float()
+
+    def caches():
         kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, bs, dtype)
         kv.k.normal_(generator=torch.Generator().manual_seed(1))
         kv.v.normal_(generator=torch.Generator().manual_seed(2))
-        if not fused:
-            monkeypatch.setattr(AttentionPart, "fused", lambda *a, **k: None)
-        outs = [model.pre_moe(layer, x, cos_sin, meta, kv) for layer in range(cfg.num_layers)]
-        monkeypatch.undo()
-        return outs, kv
+        return kv
 
-    calls = []
-    real = AttentionPart.fused
-    monkeypatch.setattr(AttentionPart, "fused", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got, kv_got = run(True)
-    assert len(calls) == cfg.num_layers  # the fused kernel ran for every layer
-    want, kv_want = run(False)
-    for g_, w_ in zip(got, want):
-        for a, b in zip(g_, w_):
-            assert (a is None and b is None) or torch.equal(a, b)
-    assert torch.equal(kv_got.k, kv_want.k) and torch.equal(kv_got.v, kv_want.v)
+    fused_kv, ref_kv = caches(), caches()
+    for layer, a in enumerate(model.attn):
+        assert type(a.half).__name__ == "FusedHalf"
+        router = a.half.router
+        assert (router is None) == (arch == "gpt_oss")  # the biased router's logits are not fused
+        got = a(x, ctx, fused_kv.keys(layer), fused_kv.values(layer))
+        want = one_by_one(a, router, ref_kv.keys(layer), ref_kv.values(layer))
+        for g_, w_ in zip(got, want):
+            assert (g_ is None and w_ is None) or torch.equal(g_, w_)
+    assert torch.equal(fused_kv.k, ref_kv.k) and torch.equal(fused_kv.v, ref_kv.v)

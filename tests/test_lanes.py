@@ -1,7 +1,8 @@
-"""Steps in flight (the attention worker's lanes): the engine's begin/finish/cancel, the scheduler's
-in-flight rules, and the LM head's vocabulary shares."""
+"""Steps in flight (the attention worker's lanes): the engine's begin/finish/cancel and the
+scheduler's in-flight rules."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import build_colocated
-from afdserve.runtime.lm_head import LMHeadShare
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -47,7 +47,7 @@ def _run_two_lanes(eng, order):
     for i in order:
         s = steps[i]
         if s is not None:
-            outs += eng.finish(s, eng.runner.forward(s.input_ids, s.meta, s.rows))
+            outs += eng.finish(s, eng.runner.forward(s.model_input))
     return outs
 
 
@@ -63,7 +63,7 @@ def test_two_steps_in_flight_take_disjoint_halves_and_match_one_at_a_time(tiny_m
         flip ^= 1
         for s in ([a, b] if flip else [b, a]):  # either finishes first
             if s is not None:
-                for out in eng.finish(s, eng.runner.forward(s.input_ids, s.meta, s.rows)):
+                for out in eng.finish(s, eng.runner.forward(s.model_input)):
                     got[out.request_id] += out.new_token_ids
         assert not eng.scheduler.in_flight
     assert [got[str(i)] for i in range(len(ps))] == ref
@@ -78,12 +78,12 @@ def test_a_cancelled_step_runs_again_and_changes_nothing(tiny_mixtral):
         s = eng.begin(2)
         before = [(q.num_computed, len(q.output_token_ids)) for q in s.batch.seqs]
         if n % 3 == 1:  # a lost peer: the step did not happen
-            eng.runner.forward(s.input_ids, s.meta, s.rows)  # its KV writes are overwritten by the rerun
+            eng.runner.forward(s.model_input)  # its KV writes are overwritten by the rerun
             eng.cancel(s)
             assert [(q.num_computed, len(q.output_token_ids)) for q in s.batch.seqs] == before
             assert not eng.scheduler.in_flight
         else:
-            for out in eng.finish(s, eng.runner.forward(s.input_ids, s.meta, s.rows)):
+            for out in eng.finish(s, eng.runner.forward(s.model_input)):
                 got[out.request_id] += out.new_token_ids
         n += 1
     assert [got[str(i)] for i in range(len(ps))] == ref
@@ -100,11 +100,11 @@ def test_abort_of_a_sequence_in_flight_frees_its_blocks_when_the_step_lands(tiny
     assert eng.blocks.num_free == free_before  # the step in flight still writes its blocks
     other = eng.begin(2)  # the other lane never gets the aborted sequence or its blocks
     assert other is None or victim not in other.batch.seqs
-    outs = eng.finish(s, eng.runner.forward(s.input_ids, s.meta, s.rows))
+    outs = eng.finish(s, eng.runner.forward(s.model_input))
     assert victim.request_id not in {o.request_id for o in outs}
     assert victim.seq_id not in eng.blocks.tables  # freed once the step landed
     if other is not None:
-        eng.finish(other, eng.runner.forward(other.input_ids, other.meta, other.rows))
+        eng.finish(other, eng.runner.forward(other.model_input))
 
 
 def test_a_preemption_never_takes_a_sequence_in_flight(tiny_mixtral):
@@ -128,27 +128,11 @@ def test_a_preemption_never_takes_a_sequence_in_flight(tiny_mixtral):
     assert preempted, "the test should exercise preemption"
 
 
-@pytest.mark.parametrize("rows,workers", [(1, [0]), (32, [0, 1]), (300, [0, 2, 5])])
-def test_lm_head_shares_are_whole_blocks_that_fit_the_reply_slots(rows, workers):
-    vocab, reply = 32000, 4 << 20
-    lm = LMHeadShare(0.75, reply)
-    shares = lm.shares(rows, vocab, workers)
-    assert shares[-1][2] == vocab and all(a % 32 == 0 for _, a, _ in shares)
-    assert all(b > a and (b - a) * rows * 4 <= reply for _, a, b in shares)
-    assert [j for j, _, _ in shares] == workers[: len(shares)]
-    assert vocab - shares[0][1] <= 0.75 * vocab + 32
-    assert LMHeadShare(0.0, reply).shares(rows, vocab, workers) == []
-    assert lm.shares(rows, vocab, []) == []
-
-
-def test_block_table_metadata_equals_the_slot_list_metadata():
-    """``AttnMetadata.from_table`` over ``BlockManager.batch_table`` (what the engine builds) describes
-    the same cache positions as ``build`` over per-position slots, released blocks included; a piece
-    of it (``select``) too."""
-    import torch
-
+def test_a_steps_layout_over_block_tables_addresses_each_sequences_own_slots():
+    """``StepLayout.of`` over ``BlockManager.batch_table`` (what the engine builds) gives every new
+    token its position and the cache slot its sequence holds there, released blocks included."""
+    from afdserve.backends.step import StepLayout
     from afdserve.kvcache.block_manager import BlockManager
-    from afdserve.model.attention import AttnMetadata
 
     bm = BlockManager(64, 4)
     rng = random.Random(9)
@@ -160,37 +144,12 @@ def test_block_table_metadata_equals_the_slot_list_metadata():
             bm.release_before(s, n - 5)  # a sliding window gave blocks back
         kv_lens.append(n)
         qlens.append(1 if s % 2 else rng.randrange(1, n + 1))
-    fast = AttnMetadata.from_table(qlens, kv_lens, bm.batch_table(list(range(5))), 4)
-    slow = AttnMetadata.build(qlens, [bm.slots(s, n) for s, n in enumerate(kv_lens)])
-    assert torch.equal(fast.positions, slow.positions) and torch.equal(fast.slot_mapping, slow.slot_mapping)
-    assert all(torch.equal(a, b) for a, b in zip(fast.kv_slots, slow.kv_slots))
-    assert torch.equal(fast.decode_rows, slow.decode_rows) and torch.equal(fast.decode_seqs, slow.decode_seqs)
-    part = fast.select([1, 4], [1, 1], [kv_lens[1], kv_lens[4] - qlens[4] + 1])
-    assert part.kv_lens == [kv_lens[1], kv_lens[4] - qlens[4] + 1]
-    assert torch.equal(part.kv_slots[1], slow.kv_slots[4][: part.kv_lens[1]])
-
-
-def test_lm_head_shares_skip_expert_workers_busy_with_another_lane():
-    lm = LMHeadShare(0.75, 4 << 20)
-    assert [j for j, _, _ in lm.shares(32, 32000, [0, 1, 2], busy={1})] == [0, 2]
-    assert lm.shares(32, 32000, [0, 1], busy={0, 1}) == []  # every one busy: all of it computed here
-    assert lm.shares(32, 32000, [0], busy=set()) == lm.shares(32, 32000, [0])
-
-
-def test_busy_expert_workers_get_lm_head_shares_only_behind_short_layers():
-    """A share waits behind the busy worker's layer: worth it where a layer's round trip is short
-    against the LM head (a big vocabulary, the demo model), not where it is long (the ping-pong
-    model's small vocabulary behind 4 ms layers), nor before anything was measured."""
-    from afdserve.runtime.lm_head import BUSY_SHARE_MAX_WAIT, unshared_busy
-
-    work, rate = 32 * 32000, 32 * 32000 / 2e-3  # a 2 ms LM head
-    assert unshared_busy({0, 1}, work, rate, layer_rtt=0.6e-3) == set()
-    assert unshared_busy({0, 1}, work, rate, layer_rtt=BUSY_SHARE_MAX_WAIT * 2e-3) == set()
-    assert unshared_busy({0, 1}, work, rate, layer_rtt=4e-3) == {0, 1}
-    assert unshared_busy({1}, work, 0.0, layer_rtt=0.6e-3) == {1}  # no rate measured yet
-    assert unshared_busy({1}, work, rate, layer_rtt=0.0) == {1}  # no layer measured yet
-    assert unshared_busy(set(), work, rate, layer_rtt=4e-3) == set()
-
+    layout = StepLayout.of(qlens, kv_lens, bm.batch_table(list(range(5))), 4)
+    positions = [p for q, n in zip(qlens, kv_lens) for p in range(n - q, n)]
+    slots = [int(bm.slots(s, n)[p]) for s, (q, n) in enumerate(zip(qlens, kv_lens)) for p in range(n - q, n)]
+    assert layout.positions.tolist() == positions and layout.slot_mapping.tolist() == slots
+    assert layout.decode_seqs.tolist() == [i for i, q in enumerate(qlens) if q == 1]
+    assert layout.first_rows.tolist() == [sum(qlens[:i]) for i in range(5)]
 
 
 def test_a_plain_greedy_step_asks_the_runner_for_token_ids(tiny_mixtral):
@@ -204,11 +163,13 @@ def test_a_plain_greedy_step_asks_the_runner_for_token_ids(tiny_mixtral):
     seen = {True: 0, False: 0}
     while eng.has_unfinished():
         s = eng.begin()
-        logits = eng.runner.forward(s.input_ids, s.meta, s.rows)
-        ids = eng.runner.forward(s.input_ids, s.meta, s.rows, greedy=True)
-        assert ids.dtype == torch.int64 and torch.equal(ids, torch.argmax(logits, dim=-1))
-        assert s.greedy == all(seq.request_id != "lp" for seq, _ in s.sampled)
-        seen[s.greedy] += 1
-        outs = eng.finish(s, ids if s.greedy else logits)
+        logits = eng.runner.forward(replace(s.model_input, greedy=False))
+        ids = eng.runner.forward(replace(s.model_input, greedy=True))
+        assert logits.token_ids is None and ids.logits is None
+        assert ids.token_ids.dtype == torch.int64 and torch.equal(ids.token_ids, torch.argmax(logits.logits, dim=-1))
+        greedy = s.model_input.greedy
+        assert greedy == all(seq.request_id != "lp" for seq, _ in s.sampled)
+        seen[greedy] += 1
+        outs = eng.finish(s, ids if greedy else logits)
         assert all((o.logprobs is not None) == (o.request_id == "lp") for o in outs if o.new_token_ids)
     assert seen[True] and seen[False]

@@ -1,6 +1,8 @@
 """The loader reads only the tensors a role needs (counted in bytes)."""
 
 import torch
+
+from afdserve.backends import choose
 from safetensors import safe_open
 
 from afdserve.model.config import ModelConfig
@@ -37,8 +39,10 @@ def test_role_loads_read_only_their_tensors(tiny_mixtral):
 def test_expert_parts_partition_reproduces_all_experts(tiny_model):
     arch, path = tiny_model
     cfg = ModelConfig.from_pretrained(path)
-    full = ExpertModel.load(path)
-    a, b = ExpertModel.load(path, [0, 1]), ExpertModel.load(path, list(range(2, cfg.num_experts)))
+    backends = choose("cpu", torch.float32)
+    full = ExpertModel.load(path).prepare(backends)
+    a = ExpertModel.load(path, [0, 1]).prepare(backends)
+    b = ExpertModel.load(path, list(range(2, cfg.num_experts))).prepare(backends)
     torch.manual_seed(0)
     y = torch.randn(10, cfg.hidden_size)
     ids = torch.stack([torch.randperm(cfg.num_experts)[: cfg.top_k] for _ in range(10)])

@@ -2,12 +2,14 @@
 
 import random
 
+import numpy as np
 import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.builder import build_colocated
 from afdserve.config import EngineConfig
-from afdserve.model.attention import AttnMetadata
+from afdserve.backends.step import StepLayout
+from afdserve.engine.runner import ModelInput
 from tiny_models import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -38,8 +40,8 @@ def test_prefill_logits_match_transformers(tiny_model):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
         eng.blocks.reserve(999, len(p))
-        meta = AttnMetadata.build([len(p)], [eng.blocks.slots(999, len(p))])
-        ours = eng.runner.forward(torch.tensor(p), meta, torch.arange(len(p)))
+        layout = StepLayout.of([len(p)], [len(p)], eng.blocks.batch_table([999]), eng.blocks.block_size)
+        ours = eng.runner.forward(ModelInput(np.array(p), layout, np.arange(len(p)))).logits
         eng.blocks.free(999)
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 

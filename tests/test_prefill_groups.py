@@ -1,20 +1,15 @@
-"""Prefill pieces in few padded attention calls (``afdserve.model.prefill_groups``): the PyTorch
-attention path (CUDA, and the CPU without the kernels) against a per-sequence float64 reference
-(decodes, whole prompts, chunks after a cached prefix, windows, sinks, blocks scattered and given
-back); grouping keeps a long prompt from padding short ones; the MLA prefill path takes them too."""
+"""Prefill pieces in few padded attention calls (``afdserve.backends.pytorch.prefill_groups``): the
+torch attention backend (CUDA, and the CPU without the kernels) against a per-sequence float64
+reference (decodes, whole prompts, chunks after a cached prefix, windows, sinks, blocks scattered
+and given back); grouping keeps a long prompt from padding short ones."""
 
 import pytest
 import torch
 
-from afdserve.model.attention import AttentionPart, AttnMetadata
-from afdserve.model.config import ModelConfig
-from afdserve.model.prefill_groups import MAX_PADDING, SMALL_AREA
-
-
-def _cfg(nh, nkv, hd, sinks=False):
-    return ModelConfig.from_dict(dict(model_type="mixtral", vocab_size=64, hidden_size=nh * hd, intermediate_size=16,
-                                      num_hidden_layers=1, num_attention_heads=nh, num_key_value_heads=nkv,
-                                      head_dim=hd, num_local_experts=2, num_experts_per_tok=1))
+from afdserve.backends.pytorch.attention import TorchAttention
+from afdserve.backends.pytorch.norm import TorchNorm
+from afdserve.backends.pytorch.prefill_groups import MAX_PADDING, SMALL_AREA, plan
+from afdserve.backends.step import StepBuffers, StepLayout
 
 
 def _batch(qlens, kv_lens, bs, window, g):
@@ -27,7 +22,7 @@ def _batch(qlens, kv_lens, bs, window, g):
             first = max(0, n - q - window + 1)
             t = [-1 if (j + 1) * bs <= first else b for j, b in enumerate(t)]
         tables.append(t)
-    return tables, AttnMetadata.from_blocks(qlens, kv_lens, tables, bs)
+    return tables, StepLayout.from_blocks(qlens, kv_lens, tables, bs)
 
 
 def _reference(q, kc, vc, tables, qlens, kv_lens, bs, window, scale, sinks, nkv):
@@ -52,24 +47,24 @@ def _reference(q, kc, vc, tables, qlens, kv_lens, bs, window, scale, sinks, nkv)
                                                      (2, 2, 8, 4, 0, True), (6, 3, 8, 4, 9, False)])
 def test_pytorch_attention_path_matches_the_reference(nh, nkv, hd, bs, window, sink):
     g = torch.Generator().manual_seed(nh * 31 + bs + window)
-    part = AttentionPart(_cfg(nh, nkv, hd, sink), torch.float32, window=window)
-    if sink:
-        part.sinks = torch.nn.Parameter(torch.randn(nh, generator=g), requires_grad=False)
+    sinks = torch.randn(nh, generator=g) if sink else None
     # decodes, whole prompts of one length (one causal group), a chunk after a prefix, a long prompt
     qlens, kv_lens = [1, 9, 9, 1, 5, 40, 2, 9], [12, 9, 9, 30, 21, 40, 2, 9]
-    tables, meta = _batch(qlens, kv_lens, bs, window, g)
+    tables, layout = _batch(qlens, kv_lens, bs, window, g)
     kc, vc = (torch.randn(256 * bs, nkv, hd, generator=g) for _ in range(2))
     q = torch.randn(sum(qlens), nh, hd, generator=g)
-    got = part._attend(q, kc, vc, meta)
-    want = _reference(q, kc, vc, tables, qlens, kv_lens, bs, window, part.scale, part.sinks, nkv)
+    attention = TorchAttention(TorchNorm())
+    ctx = attention.prepare(layout, (window,), StepBuffers("cpu"))
+    got = attention.attend(q, kc, vc, ctx, window, sinks, hd**-0.5)
+    want = _reference(q, kc, vc, tables, qlens, kv_lens, bs, window, hd**-0.5, sinks, nkv)
     assert (got.double() - want).abs().max() < 1e-5
 
 
 def test_groups_bound_the_padding_and_cover_every_new_token():
     g = torch.Generator().manual_seed(0)
     qlens, kv_lens = [400, 3, 5, 1, 4, 300], [400, 3, 9, 50, 4, 700]
-    _, meta = _batch(qlens, kv_lens, 16, 0, g)
-    groups = meta.prefill_groups()
+    _, layout = _batch(qlens, kv_lens, 16, 0, g)
+    groups = plan(layout.query_lens, layout.kv_lens, layout.block_table, 16, 0)
     assert len(groups) >= 2  # the 400-token prompt does not pad the short ones to its length
     covered = sorted(r for gr in groups for r in gr.dst.tolist())
     starts = torch.tensor([0, *qlens]).cumsum(0).tolist()
@@ -82,6 +77,6 @@ def test_groups_bound_the_padding_and_cover_every_new_token():
 
 
 def test_equal_whole_prompts_make_one_plain_causal_call():
-    meta = AttnMetadata.from_blocks([6, 6, 6, 1], [6, 6, 6, 20], [[0, 1], [2, 3], [4, 5], [6, 7, 8, 9, 10]], 4)
-    (gr,) = meta.prefill_groups()
+    layout = StepLayout.from_blocks([6, 6, 6, 1], [6, 6, 6, 20], [[0, 1], [2, 3], [4, 5], [6, 7, 8, 9, 10]], 4)
+    (gr,) = plan(layout.query_lens, layout.kv_lens, layout.block_table, 4, 0)
     assert gr.mask is None and tuple(gr.rows.shape) == (3, 6) and gr.dst.tolist() == list(range(18))

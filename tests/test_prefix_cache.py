@@ -10,6 +10,7 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.engine.engine import Engine
+from afdserve.engine.runner import ModelOutput
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.prefix import PrefixCacheConfig, block_hashes
@@ -210,7 +211,7 @@ def test_every_full_block_is_registered_when_filled_by_prefill_chunks_or_decode_
         lanes = 2 if steps % 5 < 3 else 1  # sometimes two steps in flight, sometimes one
         inflight = [s for s in (eng.begin(lanes) for _ in range(lanes)) if s is not None]
         for s in inflight:
-            eng.finish(s, torch.tensor([rng.randrange(3, 256) for _ in s.sampled], dtype=torch.int64))
+            eng.finish(s, ModelOutput(token_ids=torch.tensor([rng.randrange(3, 256) for _ in s.sampled], dtype=torch.int64)))
         for seq in eng.scheduler.running:
             keys = block_hashes(seq.token_ids, BS, SALT)[: seq.num_computed // BS]
             assert all(bm.cached.get(k) is not None for k in keys), (seq.request_id, seq.num_computed)

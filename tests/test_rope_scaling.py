@@ -9,7 +9,8 @@ import torch
 
 from afdserve import LLM, SamplingParams
 from afdserve.errors import ModelError
-from afdserve.model.rope import Rope, apply_rotary, served_context
+from afdserve.backends.pytorch.norm import apply_rotary
+from afdserve.model.rope import Rope, served_context
 
 SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},

@@ -149,30 +149,33 @@ def test_windowed_disaggregated(windowed_mixtral, gate):
 def test_decode_and_prefill_keys_stay_in_the_window():
     """Decode rows gather only the window's slots of their own sequence (padding included) and
     prefill masks equal the brute-force window mask."""
-    from afdserve.model.attention import AttnMetadata
+    from afdserve.backends.pytorch.attention import _decode_keys
+    from afdserve.backends.pytorch.prefill_groups import plan
+    from afdserve.backends.step import StepLayout
 
-    rng = random.Random(3)
+    rng, bs = random.Random(3), 4
     for _ in range(50):
         window = rng.randrange(1, 12)
-        seqs, qlens = [], []
+        seqs, qlens, tables = [], [], []
         for s in range(rng.randrange(1, 5)):
             n = rng.randrange(1, 40)
             q = 1 if rng.random() < 0.6 or n == 1 else rng.randrange(1, n + 1)
-            slots = torch.arange(n) + 1000 * (s + 1)
-            released = max(0, n - q - window + 1) // 4 * 4  # what block size 4 could have given back
-            slots[:released] = -1
+            released = max(0, n - q - window + 1) // bs  # the blocks wholly before every query's window
+            table = [-1 if j < released else 250 * (s + 1) + j for j in range(-(-n // bs))]
+            slots = torch.tensor([table[p // bs] * bs + p % bs if table[p // bs] >= 0 else -1 for p in range(n)])
             seqs.append(slots)
             qlens.append(q)
-        meta = AttnMetadata.build(qlens, seqs)
-        if meta.decode_seqs is not None:
-            slots, mask = meta.decode_kv(window)
-            for row, i in enumerate(meta.decode_seqs.tolist()):
+            tables.append(table)
+        layout = StepLayout.from_blocks(qlens, [int(x.shape[0]) for x in seqs], tables, bs)
+        if layout.num_decode:
+            slots, mask = (torch.from_numpy(a) for a in _decode_keys(layout, layout.decode_seqs, window))
+            for row, i in enumerate(layout.decode_seqs.tolist()):
                 n = seqs[i].shape[0]
                 own = set(seqs[i][max(0, n - window):].tolist())
                 assert set(slots[row].tolist()) <= own and -1 not in own
                 assert int(mask[row].sum()) == min(n, window)
         starts = torch.tensor([0, *qlens]).cumsum(0).tolist()
-        for g in meta.prefill_groups(window):
+        for g in plan(layout.query_lens, layout.kv_lens, layout.block_table, bs, window):
             for row, i in enumerate(starts.index(int(r)) for r in g.rows[:, 0]):
                 n, q = seqs[i].shape[0], qlens[i]
                 qpos, kpos = torch.arange(n - q, n)[:, None], torch.arange(n)[None, :]

@@ -18,15 +18,15 @@ def test_breakdown_over_the_decode_window_of_overlapping_lane_steps():
                 _span("attention", t, 1, layer=0), _span("send", t + 1, 0.5),
                 _span("attention", t + 2, 0.5, phase="combine"), _span("attention", t + 3, 1, phase="lm_head"),
                 _span("engine", t + 4, 0.5, phase="finish"), _span("wait", t + 4.5, 1)]
-        exp += [_span("expert", t + 1.5, 2), _span("expert", t + 3, 0.5, phase="lm_head"), _span("send", t + 3.5, 0.25)]
+        exp += [_span("expert", t + 1.5, 2), _span("send", t + 3.5, 0.25)]
     b = breakdown({"attention0": att, "expert0": exp}, "attention0", "expert0", batch=8)
     # window 30..55 ms = 25 ms for 16 tokens: 12.5 ms per batch step of 8; every span halves likewise
     assert b.steps == 4 and b.step_ms == pytest.approx(12.5)
     assert b.attention_layers_ms == pytest.approx(2) and b.lm_head_ms == pytest.approx(2)
     assert b.combine_ms == pytest.approx(1) and b.send_ms == pytest.approx(1) and b.engine_ms == pytest.approx(1)
     assert b.wait_ms == pytest.approx(2) and b.other_ms == pytest.approx(12.5 - 7 - 2)
-    assert b.expert_busy_ms == pytest.approx(4) and b.expert_lm_head_ms == pytest.approx(1)
-    assert b.expert_send_ms == pytest.approx(0.5) and b.expert_idle_ms == pytest.approx(12.5 - 5.5)
+    assert b.expert_busy_ms == pytest.approx(4) and b.expert_send_ms == pytest.approx(0.5)
+    assert b.expert_idle_ms == pytest.approx(12.5 - 4.5)
 
 
 def test_no_decode_step_is_an_error():

@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from afdserve.errors import ConfigError
 
 
+BACKENDS = ("auto", "cpu", "torch")  # afdserve.backends.NAMES
 MAX_POOL_WORKERS = 64  # workers per pool (attention, expert) that a deployment or a resize may ask for
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def cpuinfo(field: str) -> str:
+    """A field of this CPU in /proc/cpuinfo ("flags", "model name"...); the platform's processor
+    name where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cache_root() -> Path:
@@ -55,6 +78,12 @@ class EngineConfig:
     prefix_cache_dir: str | None = None  # disk tier, kept across restarts (None: no disk tier)
     prefix_cache_disk_gb: float = 10.0  # bound of the disk tier
     compile: bool = False  # torch.compile the attention half of decode steps (AttentionModel.compile_decode)
+    # the hot path's backends (afdserve.backends.choose), chosen once per process from its device:
+    # "auto" (the CPU kernels where they run, else PyTorch), "cpu" or "torch"; attention_backend and
+    # moe_backend override ``backend`` for theirs
+    backend: str = "auto"
+    attention_backend: str | None = None
+    moe_backend: str | None = None
     # where weights, KV cache and step tensors live: "cpu", "cuda" or "cuda:N" (colocated engine and
     # attention workers); expert workers use expert_device (None: the same as device)
     device: str = "cpu"
@@ -69,15 +98,8 @@ class EngineConfig:
     comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
     comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer (per 256 tokens in flight)
     on_expert_loss: str = "wait"  # while a lost expert worker is replaced: "wait" for it, or "drop" its experts
-    # the largest share of the LM head's vocabulary the expert workers compute (each attention worker
-    # balances its share within [0, this] by measured busy time; 0: all on the attention workers)
-    lm_head_share: float = 0.75
-    # an attention worker computes a step's LM head in pieces between which its other lanes run (and
-    # expert workers take blocks of it): None is on the CPU only, where the lanes share a core; on an
-    # accelerator a piece is a few launches and a share a round of copies, so it is one call there
-    lm_head_pieces: bool | None = None
-    # local cluster: an expert worker's MoE kernel borrows the threads of attention workers that wait
-    # for its replies (they share this machine's cores; afdserve.runtime.core_board)
+    # local cluster on the CPU: a worker that waits for its peers lends its cores to their kernels
+    # (the cpu backend's hooks: afdserve.backends.host)
     lend_idle_cores: bool = True
     heartbeat_timeout_ms: float = 3000.0  # a worker silent this long (dead, stopped) is fenced and replaced
     startup_timeout_s: float = 300.0
@@ -116,6 +138,10 @@ class EngineConfig:
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
         check("compile", isinstance(self.compile, bool), "must be true or false")
+        check("backend", self.backend in BACKENDS, f"use {', '.join(BACKENDS)}")
+        for name in ("attention_backend", "moe_backend"):
+            check(name, getattr(self, name) is None or getattr(self, name) in BACKENDS,
+                  f"use {', '.join(BACKENDS)} (or leave it unset: as backend)")
         check("device", is_device_name(self.device), "use 'cpu', 'cuda' or 'cuda:N'")
         check("expert_device", self.expert_device is None or is_device_name(self.expert_device),
               "use 'cpu', 'cuda' or 'cuda:N' (or leave it unset: the same as device)")
@@ -124,10 +150,6 @@ class EngineConfig:
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
               "must be > 0")
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
-        check("lm_head_share", isinstance(self.lm_head_share, (int, float)) and not isinstance(self.lm_head_share, bool)
-              and 0 <= self.lm_head_share < 1, "must be a fraction in [0, 1)")
-        check("lm_head_pieces", self.lm_head_pieces is None or isinstance(self.lm_head_pieces, bool),
-              "must be true, false or None (on the CPU only)")
         check("lend_idle_cores", isinstance(self.lend_idle_cores, bool), "must be true or false")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")
@@ -145,20 +167,6 @@ class EngineConfig:
 
         if self.deployment is None:  # else the spec file sets the workers (afdserve.cluster.resolve_deployment)
             self.check_workers()
-
-    @property
-    def lm_head_in_pieces(self) -> bool:
-        """Whether attention workers compute the LM head in pieces (``lm_head_pieces``, by default
-        where they run on the CPU)."""
-        return self.device == "cpu" if self.lm_head_pieces is None else self.lm_head_pieces
-
-    @property
-    def lm_head_helper_share(self) -> float:
-        """The largest share of the LM head expert workers take: ``lm_head_share`` where the LM head
-        goes in pieces and the expert workers run on the CPU, else 0 (their pieces would be launches
-        and copies of their own)."""
-        on_cpu = (self.expert_device or self.device) == "cpu"
-        return self.lm_head_share if self.lm_head_in_pieces and on_cpu else 0.0
 
     def check_workers(self) -> None:
         if self.cluster == "ray" and self.expert_workers < 1:

@@ -25,6 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "KV cache and step tensors")
     g.add_argument("--expert-device", default=None,
                    help="cpu, cuda or cuda:N for the expert workers (default: --device)")
+    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"],
+                   help="the hot path's backends, chosen once per worker: cpu (afdserve's C++ kernels), torch "
+                        "(PyTorch, any device), auto (cpu where the kernels run the dtype on this CPU, else torch)")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "cpu", "torch"],
+                   help="the attention backend (default: --backend)")
+    g.add_argument("--moe-backend", default=None, choices=["auto", "cpu", "torch"],
+                   help="the MoE experts' backend (default: --backend)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="disable automatic prefix caching (reuse of the KV blocks of repeated prompt prefixes)")
@@ -51,9 +58,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a lost expert worker is replaced: wait for it (outputs unchanged; tokens of "
                         "replicated experts go to a replica meanwhile), or drop its experts (top-(K-1) routing "
                         "over the rest, counted in /metrics)")
-    d.add_argument("--lm-head-share", type=float, default=0.75, metavar="F",
-                   help="largest share of the LM head's vocabulary computed on the expert workers; each attention "
-                        "worker balances the share it sends by measured busy time (0: all on attention workers)")
     d.add_argument("--no-lend-idle-cores", action="store_true",
                    help="local cluster: do not let expert workers borrow the cores of attention workers that wait "
                         "for their replies (by default they do, a slice of a MoE layer at a time)")
@@ -75,7 +79,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
-              compile=args.compile, device=args.device, expert_device=args.expert_device,
+              compile=args.compile, device=args.device, expert_device=args.expert_device, backend=args.backend,
+              attention_backend=args.attention_backend, moe_backend=args.moe_backend,
               enable_prefix_caching=not args.no_prefix_cache,
               prefix_cache_host_gb=args.prefix_cache_host_gb, prefix_cache_dir=args.prefix_cache_dir,
               prefix_cache_disk_gb=args.prefix_cache_disk_gb,
@@ -84,7 +89,6 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),
               on_expert_loss=getattr(args, "on_expert_loss", "wait"),
-              lm_head_share=getattr(args, "lm_head_share", 0.75),
               lend_idle_cores=not getattr(args, "no_lend_idle_cores", False),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterator
 
+from afdserve.backends import host
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.balance.load import LoadSnapshot
 from afdserve.balance.placement import Placement
@@ -36,7 +37,6 @@ from afdserve.engine.stats import EngineStats
 from afdserve.errors import ConfigError, WorkerError
 from afdserve.model.config import ModelConfig
 from afdserve.planner import attention_request_cost
-from afdserve.runtime.core_board import CoreBoard
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
 from afdserve.runtime.messages import (ADDS_PER_MESSAGE, AbortRequests, Ack, AddRequest, AddRequests, Crashed,
@@ -65,13 +65,13 @@ class ClusterClient(FrontEnd):
         self._store = start_store(getattr(launch, "store_host", "127.0.0.1"))
         group = f"{os.getpid()}_{secrets.token_hex(3)}"
         self.membership = Membership(group)
-        # local workers share this machine's cores: waiting attention workers lend theirs to expert workers
-        self.board = CoreBoard.create() if cfg.lend_idle_cores and cfg.cluster == "local" else None
+        # what local workers share of this machine, for their backend (afdserve.backends.host)
+        self.share = host.create_share(cfg)
         self.heartbeats = Heartbeats(cfg.heartbeat_timeout_ms / 1000)
         self.can_replace = bool(getattr(launch, "can_replace", True))  # a lost worker is replaced (else: fail)
         specs = [WorkerSpec(role, i, cfg, str(path), self.expert_map, self._store.addr, group,
                             frozenset(tok.eos_token_ids), trace=bool(cfg.trace),
-                            core_board=self.board.fd if self.board is not None else None)
+                            host_share=self.share.fd if self.share is not None else None)
                  for role, n in (("attention", cfg.attention_workers), ("expert", cfg.expert_workers))
                  for i in range(n)]
         self.attention = [s.name for s in specs if s.role == "attention"]
@@ -139,8 +139,8 @@ class ClusterClient(FrontEnd):
         if close is not None:
             close()
         self._store.close()
-        if self.board is not None:
-            self.board.close()
+        if self.share is not None:
+            self.share.close()
 
     # ---- FrontEnd: requests to the attention workers -----------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

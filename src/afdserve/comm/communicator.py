@@ -110,10 +110,10 @@ class Communicator:
         deadline = _now() + (self.config.deadline_s if timeout is None else timeout)
         ch.send(tensors, _NO_META if meta is None else meta, deadline, self._progress)
 
-    def yield_core_when(self, fn: Callable[[], bool] | None) -> None:
-        """Waits stop spinning and sleep while ``fn()`` is true (e.g. another process's thread was
-        given the cores this one lends while it waits); None: spin as budgeted."""
-        self._progress.yield_core = fn
+    def no_spin_when(self, fn: Callable[[], bool] | None) -> None:
+        """Waits stop spinning and sleep while ``fn()`` is true (this core is wanted elsewhere);
+        None: spin as budgeted."""
+        self._progress.no_spin = fn
 
     def recv(self, peer: Peer, *, timeout: float | None = None) -> Message:
         """The next message from ``peer`` (in order), waiting at most ``timeout`` seconds."""

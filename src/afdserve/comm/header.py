@@ -4,7 +4,7 @@ A slot holds ``HEADER_BYTES`` of header followed by the payload. The payload is 
 each tensor starting at a multiple of ``ALIGN`` bytes (so any dtype can be viewed in place).
 
 Header (little endian, 1024 bytes):
-  0   u32 magic, u16 version, u16 n_tensors, u16 n_ints, u16 flags, u32 reserved
+  0   u32 magic, u16 version, u16 n_tensors, u16 n_ints, u16 flags, i32 kind
   16  u64 seq, u64 payload_bytes (the completion's size)
   32  i64 step, microbatch, layer, num_tokens, tag
   128 n_tensors x {u8 dtype, u8 ndim, u16 -, u32 -, u64 offset, i64 shape[MAX_NDIM]}  (MAX_TENSORS)
@@ -27,11 +27,11 @@ MAX_TENSORS = 8
 MAX_NDIM = 6
 MAX_META_INTS = 48
 MAGIC = 0xAFD0_2024
-VERSION = 1
+VERSION = 2
 
 FLAG_BYE = 1  # orderly close: no more messages on this pair
 
-_FIXED_FMT = "IHHHHIQQqqqqq56x"  # 128 bytes, then the tensor records
+_FIXED_FMT = "IHHHHiQQqqqqq56x"  # 128 bytes, then the tensor records
 _TENSOR_FMT = "BBHIQ" + "q" * MAX_NDIM  # 64 bytes
 _FIXED = struct.Struct("<" + _FIXED_FMT)
 _COUNT = struct.Struct("<H")  # n_tensors, at byte 6
@@ -119,10 +119,10 @@ def plan(tensors: Sequence[torch.Tensor], capacity: int, peer: str) -> tuple[lis
 def encode_into(buf, offset: int, seq: int, meta: Meta, descs: Sequence[TensorDesc], payload_bytes: int,
                 flags: int = 0) -> None:
     """Write a header at ``buf[offset:offset+HEADER_BYTES]`` (buf: a writable buffer)."""
-    step, mb, layer, ntok, tag, ints = meta
+    step, mb, layer, ntok, tag, ints, kind = meta
     if len(ints) > MAX_META_INTS:
         raise PayloadTooLargeError(f"Meta.ints has {len(ints)} values, at most {MAX_META_INTS}")
-    args = [MAGIC, VERSION, len(descs), len(ints), flags, 0, seq, payload_bytes, step, mb, layer, ntok, tag]
+    args = [MAGIC, VERSION, len(descs), len(ints), flags, kind, seq, payload_bytes, step, mb, layer, ntok, tag]
     for d in descs:
         shape = d.shape
         args += (CODE_OF[d.dtype], len(shape), 0, 0, d.offset, *shape, *_PAD_SHAPE[len(shape)])
@@ -149,4 +149,4 @@ def decode(buf, offset: int = 0) -> Header:
             numel *= d
         descs.append(TensorDesc(dtype, shape, v[i + 4], numel * dtype.itemsize))
     ints = _INTS[n_i].unpack_from(buf, offset + _INTS_AT) if n_i else ()
-    return Header(v[6], v[4], v[7], Meta(v[8], v[9], v[10], v[11], v[12], ints), tuple(descs))
+    return Header(v[6], v[4], v[7], Meta(v[8], v[9], v[10], v[11], v[12], ints, v[5]), tuple(descs))

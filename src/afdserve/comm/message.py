@@ -9,10 +9,11 @@ import torch
 
 
 class Meta(NamedTuple):
-    """Small metadata carried in the message header (all fields are signed 64-bit integers).
+    """Small metadata carried in the message header (signed 64-bit integers; ``kind`` 32-bit).
 
-    ``ints`` holds up to ``MAX_META_INTS`` (48) further integers, e.g. per-expert token counts or
-    expert ids; anything larger belongs in a tensor. Immutable (a NamedTuple: cheap to build).
+    ``kind`` says what the message is, in the user's own numbering (the runtime's data plane:
+    ``afdserve.runtime.data_plane.Kind``). ``ints`` holds up to ``MAX_META_INTS`` (48) further
+    integers; anything larger belongs in a tensor. Immutable (a NamedTuple: cheap to build).
     """
 
     step: int = 0
@@ -21,6 +22,7 @@ class Meta(NamedTuple):
     num_tokens: int = 0
     tag: int = 0
     ints: tuple[int, ...] = ()
+    kind: int = 0
 
 
 @dataclass(eq=False, slots=True)

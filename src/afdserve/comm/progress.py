@@ -36,9 +36,9 @@ class Progress:
         self.spin_s = spin_s
         self.bell: Doorbell | None = None  # this Communicator's doorbell (if it has shm pairs)
         self._spin = spin_s  # adaptive budget, see wait()
-        # True: stop spinning and sleep now (another thread was given this core: a borrower of the
-        # cores this process lends while it waits); None: spin as budgeted
-        self.yield_core: Callable[[], bool] | None = None
+        # True: stop spinning and sleep now (the user knows this core is wanted elsewhere); None:
+        # spin as budgeted
+        self.no_spin: Callable[[], bool] | None = None
         self._waits = 0
         self._poll = select.poll()
         self._handlers: dict[int, Handler] = {}
@@ -90,13 +90,13 @@ class Progress:
         The spin budget adapts: spinning only pays when the peer runs on another core. When it
         shares ours, spinning just delays it, the spin fails, and the budget halves (down to
         blocking at once); a successful spin restores the full ``spin_s``, and every 16th wait
-        probes the full ``spin_s``. While ``yield_core()`` holds, a wait does not spin at all.
+        probes the full ``spin_s``. While ``no_spin()`` holds, a wait does not spin at all.
         """
         if ready():
             return
         self._waits += 1
         budget = self.spin_s if not self._waits & 15 else self._spin
-        yield_core = self.yield_core
+        no_spin = self.no_spin
         if budget > 0:
             now = _now()
             spin_end = min(now + budget, deadline)
@@ -105,7 +105,7 @@ class Progress:
                 if ready():
                     self._spin = self.spin_s
                     return
-                if yield_core is not None and yield_core():
+                if no_spin is not None and no_spin():
                     break  # not a failed spin: the budget stays
                 now = _now()
                 if now >= spin_end and (now >= busy_end or not busy()):  # type: ignore[misc]

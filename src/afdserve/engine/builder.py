@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from afdserve.backends import Backends, choose
 from afdserve.config import EngineConfig
 from afdserve.engine.colocated import ColocatedClient
 from afdserve.engine.engine import Engine, Grammars
@@ -74,6 +75,7 @@ class AttentionSide:
     kv: KVCache
     blocks: BlockManager
     max_model_len: int
+    backends: Backends
 
 
 def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
@@ -84,14 +86,23 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     torch.manual_seed(cfg.seed)
     dtype = parse_dtype(cfg.dtype)
     device = parse_device(cfg.device)
-    model = AttentionModel.load(path, dtype, model_cfg, reader).to(device)
+    backends = engine_backends(cfg, device, dtype, model_cfg)
+    model = AttentionModel.load(path, dtype, model_cfg, reader).to(device).prepare(backends)
     if cfg.compile:
         model.compile_decode()
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
     kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,
                  model_cfg.kv_latent_dim, device)
-    return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len)
+    return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len,
+                         backends)
+
+
+def engine_backends(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_cfg: ModelConfig) -> Backends:
+    """The backends of a process computing on ``device``, chosen once from the device, what this
+    machine runs and the config's ``backend`` / ``attention_backend`` / ``moe_backend``."""
+    return choose(device, dtype, cfg.backend, attention=cfg.attention_backend, moe=cfg.moe_backend,
+                  latent=model_cfg.mla is not None)
 
 
 def prefix_config(cfg: EngineConfig, path: Path) -> PrefixCacheConfig | None:
@@ -122,8 +133,8 @@ def build_colocated(cfg: EngineConfig) -> ColocatedClient:
     model_cfg = ModelConfig.from_pretrained(path)
     reader = CheckpointReader(path)
     side = load_attention_side(cfg, path, model_cfg, reader)
-    experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader).to(cfg.device),
-                           cfg.load_window)
+    experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader).to(cfg.device)
+                           .prepare(side.backends), cfg.load_window)
     tok = front_end_tokenizer(cfg, path, model_cfg)
     grammars = XGrammars(tok.tokenizer, model_cfg.vocab_size, tok.eos_token_ids)  # xgrammar loads on first use
     engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids,

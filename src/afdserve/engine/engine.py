@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from afdserve.backends.step import StepLayout
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
-from afdserve.engine.runner import Runner
+from afdserve.engine.runner import ModelInput, ModelOutput, Runner
 from afdserve.engine.sampler import SamplingInputs, plain_greedy, position_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
@@ -24,7 +26,6 @@ from afdserve.engine.sequence import Sequence
 from afdserve.errors import RequestError
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.prefix import PrefixCacheStats
-from afdserve.model.attention import AttnMetadata
 
 
 class Grammars(Protocol):
@@ -48,15 +49,12 @@ class StepInputs:
     """A scheduled step, between ``Engine.begin`` and ``Engine.finish``."""
 
     batch: Batch
-    input_ids: torch.Tensor  # [T] int64
-    meta: AttnMetadata
-    rows: torch.Tensor  # token rows whose logits are needed, ascending
-    order: torch.Tensor | None  # the permutation back to (sampled rows, prompt-logprob rows)
+    model_input: ModelInput  # what the runner computes (rows ascending; greedy: token ids, not logits)
+    order: np.ndarray | None  # the permutation back to (sampled rows, prompt-logprob rows)
     sampled: list[tuple[Sequence, int]]
     prompt_rows: list[tuple[Sequence, int, int]]
     partial: list[Sequence]
     t0: float
-    greedy: bool = False  # every row samples plainly greedily: the runner returns token ids, not logits
 
 
 @dataclass
@@ -127,7 +125,7 @@ class Engine:
         s = self.begin()
         if s is None:
             return []
-        return self.finish(s, self.runner.forward(s.input_ids, s.meta, s.rows, s.greedy))
+        return self.finish(s, self.runner.forward(s.model_input))
 
     def begin(self, lanes: int = 1) -> StepInputs | None:
         """Schedules a batch and prepares its inputs, for a runner to compute. With ``lanes`` > 1 the
@@ -157,20 +155,23 @@ class Engine:
                 sampled.append((seq, len(input_ids) - 1))
             else:  # a chunk of a longer prefill: reported as progress
                 partial.append(seq)
-        rows = torch.tensor([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=torch.int64)
-        order = torch.argsort(rows) if prompt_rows else None  # runners return rows in ascending order
-        meta = AttnMetadata.from_table(qlens, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
+        rows = np.array([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=np.int64)
+        order = np.argsort(rows, kind="stable") if prompt_rows else None  # runners return rows ascending
+        layout = StepLayout.of(qlens, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
         greedy = bool(sampled) and not prompt_rows and all(plain_greedy(seq) for seq, _ in sampled)
-        return StepInputs(batch, torch.tensor(input_ids, dtype=torch.int64), meta,
-                          rows if order is None else rows[order], order, sampled, prompt_rows, partial, t0, greedy)
+        inp = ModelInput(np.array(input_ids, dtype=np.int64), layout, rows if order is None else rows[order], greedy)
+        return StepInputs(batch, inp, order, sampled, prompt_rows, partial, t0)
 
-    def finish(self, s: StepInputs, logits: torch.Tensor) -> list[TokenOutput]:
-        """The step ``s`` was computed (``logits`` of its rows, or for a ``greedy`` step the token ids
-        they choose, int64 [rows]): advances its sequences, samples, applies the stop conditions;
-        returns the outputs."""
+    def finish(self, s: StepInputs, out: ModelOutput) -> list[TokenOutput]:
+        """The step ``s`` was computed (the logits of its rows, or for a greedy step the token ids
+        they choose): advances its sequences, samples, applies the stop conditions; returns the
+        outputs."""
         batch, sampled, prompt_rows = s.batch, s.sampled, s.prompt_rows
+        chosen = out.token_ids is not None
+        logits = out.token_ids if chosen else out.logits
         if s.order is not None:
-            logits = torch.empty_like(logits).index_copy_(0, s.order, logits)
+            order = torch.from_numpy(s.order).to(logits.device)
+            logits = torch.empty_like(logits).index_copy_(0, order, logits)
         self.scheduler.advance(batch)  # num_computed; full blocks become cached; no longer in flight
         if self.kv_window:  # the next token (position num_computed) attends from here on
             for seq in batch.seqs:
@@ -187,9 +188,8 @@ class Engine:
         if live:
             keep = [i for i, _ in live]
             rows = logits[: len(sampled)] if len(keep) == len(sampled) else logits[keep]
-            outs += self._sample(rows, [seq for _, seq in live], chosen=logits.dim() == 1)
-        meta = s.meta
-        num_decode = 0 if meta.decode_rows is None else int(meta.decode_rows.shape[0])
+            outs += self._sample(rows, [seq for _, seq in live], chosen=chosen)
+        num_decode = s.model_input.layout.num_decode
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - s.t0)
         if batch.num_tokens > num_decode:  # measured prefill rate: restore-versus-recompute decisions
             self.blocks.observe_prefill(batch.num_tokens - num_decode, self.last_step.seconds)

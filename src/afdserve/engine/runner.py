@@ -1,28 +1,67 @@
-"""Runs one scheduled batch through the model: attention here, routed experts through ``moe``."""
+"""Runs one scheduled batch through the model: attention here, routed experts through ``moe``.
+
+A runner gets a step as host arrays (``ModelInput``), stages them once into its persistent buffers
+(``StepBuffers``: the step's context, token ids and sampled rows on the model's device), and returns
+``ModelOutput``: the logits of the sampled rows, or for a greedy step the token ids they choose.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
+from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
 from afdserve.balance.load import LoadTracker
 from afdserve.kvcache.cache import KVCache
-from afdserve.model.attention import AttnMetadata
 from afdserve.model.model import AttentionModel, ExpertModel
 
 # (layer, y [T, H], topk_ids [T, k], topk_weights [T, k]) -> routed experts' output [T, H]
 MoEFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ModelInput:
+    """A step's batch on the host: the flat token ids [T] of its ``layout``, and the rows [R]
+    (ascending) whose next-token distribution is needed; ``greedy``: each of them takes the plain
+    argmax (the runner returns token ids, not logits)."""
+
+    input_ids: np.ndarray  # int64 [T]
+    layout: StepLayout
+    rows: np.ndarray  # int64 [R]
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What a runner computed for a step's rows: float32 ``logits`` [R, vocab], or for a greedy step
+    the ``token_ids`` [R] (int64) they choose."""
+
+    logits: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+
+
 class Runner(Protocol):
     vocab_size: int
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor,
-                greedy: bool = False) -> torch.Tensor:
-        """Returns float32 logits [len(rows), vocab] of the flat-batch token rows ``rows``; with
-        ``greedy``, each row's argmax instead (int64 [len(rows)], ``afdserve.model.greedy``)."""
-        ...
+    def forward(self, inp: ModelInput) -> ModelOutput: ...
+
+
+def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers) -> tuple[AttnContext, torch.Tensor,
+                                                                                  torch.Tensor]:
+    """The step's context, token ids and rows on the model's device, staged through ``buffers``."""
+    buffers.begin()
+    ctx = model.context(inp.layout, buffers)
+    ids, rows = buffers.stage("input_ids", inp.input_ids), buffers.stage("rows", inp.rows)
+    buffers.end()
+    return ctx, ids, rows
+
+
+def head(model: AttentionModel, x: torch.Tensor, greedy: bool) -> ModelOutput:
+    """The LM head over the final hidden states of the sampled rows, in one call."""
+    return ModelOutput(token_ids=model.greedy(x)) if greedy else ModelOutput(logits=model.logits(x))
 
 
 class LocalExperts:
@@ -49,18 +88,17 @@ class ModelRunner:
         self.model, self.kv, self.moe = model, kv, moe
         self.tracker = tracker  # advanced once per step (the MoE function records into it)
         self.vocab_size = model.cfg.vocab_size
+        self.buffers = StepBuffers(model.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttnMetadata, rows: torch.Tensor,
-                greedy: bool = False) -> torch.Tensor:
+    def forward(self, inp: ModelInput) -> ModelOutput:
         m = self.model
         if self.tracker is not None:
             self.tracker.step()
-        input_ids, meta, rows = m.step_inputs(input_ids, meta, rows)
-        x = m.embed_tokens(input_ids)
-        cos_sin = m.rotary.cos_sin(meta.positions, m.dtype)
+        ctx, ids, rows = stage(m, inp, self.buffers)
+        x = m.embed_tokens(ids)
         for layer in range(m.cfg.num_layers):
-            h, y, ids, w = m.pre_moe(layer, x, cos_sin, meta, self.kv)
+            h, y, ids, w = m.pre_moe(layer, x, ctx, self.kv)
             # a dense layer (ids None) has its MLP here: nothing goes to the experts
             x = m.post_moe(layer, h, y, None if ids is None else self.moe(layer, y, ids, w))
-        return m.greedy(x[rows]) if greedy else m.logits(x[rows])
+        return head(m, x[rows], inp.greedy)

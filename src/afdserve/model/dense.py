@@ -5,22 +5,13 @@ DeepSeek's ungated shared experts."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from afdserve.model.layers import swiglu
+from afdserve.model.layers import GatedMLP
 from afdserve.model.loader import CheckpointReader
 
 
-class DenseMLP(nn.Module):
+class DenseMLP(GatedMLP):
     """``down(silu(gate(y)) * up(y))``."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
-        super().__init__()
-        self.w_gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return swiglu(y, self.w_gate_up, self.w_down)
 
     def load(self, r: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         """Reads ``{prefix}.gate_proj`` / ``up_proj`` / ``down_proj``."""

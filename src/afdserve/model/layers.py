@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afdserve import kernels
-from afdserve.kernels.layers import add_rms_norm, rms_norm
-from afdserve.model.linear import linear
+from afdserve.backends import Backends
+from afdserve.backends.base import LinearOp, NormBackend
 
 
 class RMSNorm(nn.Module):
@@ -16,43 +15,41 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.ops: NormBackend | None = None
+
+    def prepare(self, backends: Backends) -> None:
+        self.ops = backends.norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_contiguous() and kernels.supports("rms_norm", x):
-            return rms_norm(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, norm(h)) with h = x + residual, one pass when the kernel runs."""
-        if x.is_contiguous() and residual.is_contiguous() and x.dim() == 2 and kernels.supports("rms_norm", x):
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        h = x + residual
-        return h, self(h)
+        """(h, norm(h)) with h = x + residual, one pass where the backend fuses them."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up stacked in one [2I, H] matrix."""
-    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w_down)
+class GatedMLP(nn.Module):
+    """``down(silu(gate(y)) * up(y))`` with gate and up stacked in one [2I, H] matrix."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.gate_up: LinearOp | None = None
+        self.down: LinearOp | None = None
+
+    def prepare(self, backends: Backends) -> None:
+        self.gate_up, self.down = backends.linear.pack(self.w_gate_up), backends.linear.pack(self.w_down)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(y).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; on CUDA, inputs whose rows do not start on 16-byte
-    boundaries (a slice of wider rows, an odd head dimension) go through the math backend: the
-    fused kernels load them 16 bytes at a time. Seen on an H200 with the tiny DeepSeek-V3 test
-    shapes (values sliced at an offset of 10 float32 columns): "misaligned address"."""
-    if q.is_cuda and not torch.compiler.is_compiling() and not all(_rows_aligned(t) for t in (q, k, v)):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, **kw)
-    return F.scaled_dot_product_attention(q, k, v, **kw)
-
-
-def _rows_aligned(t: torch.Tensor) -> bool:
-    n = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.shape[-1] * n % 16 == 0 and all(
-        s * n % 16 == 0 for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1)
+def prepare_all(module: nn.Module, backends: Backends) -> None:
+    """Packs the weights of ``module`` and its submodules for ``backends``: every module with a
+    ``prepare(backends)`` method, children before parents."""
+    for child in module.children():
+        prepare_all(child, backends)
+    if callable(getattr(module, "prepare", None)):
+        module.prepare(backends)

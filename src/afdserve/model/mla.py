@@ -5,11 +5,9 @@ after ``kv_a_layernorm``) and the decoupled RoPE key ``k_pe`` (``qk_rope_head_di
 by all heads. Keys and values of head n are ``k_n = [W_UK_n c | k_pe]`` and ``v_n = W_UV_n c``
 (``kv_b_proj`` stacks W_UK and W_UV per head).
 
-* Prefill (a sequence with several new tokens) expands its context's latents into per-head keys
-  and values and runs ordinary attention.
-* Decode uses the absorbed form: the query becomes ``[q_nope W_UK_n | q_pe]`` (W_UK folded into
-  it), attends to the cached ``[c | k_pe]`` directly as one shared key head whose values are ``c``,
-  and W_UV is applied to the attention output — no per-head keys or values are materialized.
+The attention over the cache is the attention backend's (``latent_attention``; the torch
+backend's ``afdserve.backends.pytorch.mla``): prefills expand the latents, decodes use the absorbed
+form.
 """
 
 from __future__ import annotations
@@ -17,12 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afdserve.model.attention import AttnMetadata
+from afdserve.backends import Backends
+from afdserve.backends.pytorch.norm import apply_rotary
+from afdserve.backends.step import AttnContext
+from afdserve.errors import ConfigError
 from afdserve.model.config import ModelConfig
-from afdserve.model.layers import RMSNorm, sdpa
+from afdserve.model.layers import RMSNorm
 from afdserve.model.linear import Linear
 from afdserve.model.loader import CheckpointReader
-from afdserve.model.rope import apply_rotary
 
 LORA_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
@@ -62,6 +62,7 @@ class MLAPart(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
                                    dtype=dtype)
         self.o_proj = Linear(nh * mla.v_head_dim, h, bias=bias, dtype=dtype)
+        self.attn = None  # the attention backend (``bind``)
         self.requires_grad_(False)
 
     def load(self, r: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
@@ -74,71 +75,27 @@ class MLAPart(nn.Module):
         for name, t in self.state_dict().items():
             t.copy_(r.get(prefix + own.get(name, "self_attn." + name), tuple(t.shape), dtype))
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttnMetadata,
-                cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def bind(self, backends: Backends) -> None:
+        """The latent attention of the attention backend (the torch one: ``afdserve.backends.choose``)."""
+        if not backends.attention.latent:
+            raise ConfigError(f"the {backends.attention.name} attention backend does not run MLA; use the torch one")
+        self.attn = backends.attention
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m, nh, t = self.mla, self.nh, x.shape[0]
         hn = self.input_norm(x)
         q = self.q_proj(hn) if m.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(hn)))
         q_nope, q_pe = q.view(t, nh, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj(hn).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        cos, sin = cos_sin
         rotate = rotate_interleaved if m.rope_interleave else apply_rotary
-        q_pe, k_pe = rotate(q_pe, cos, sin), rotate(k_pe[:, None, :], cos, sin)[:, 0]
-        cache[meta.slot_mapping] = torch.cat([self.kv_a_norm(c), k_pe], dim=-1)
-        out = self._attend(q_nope, q_pe, cache, meta)
+        q_pe, k_pe = rotate(q_pe, ctx.cos, ctx.sin), rotate(k_pe[:, None, :], ctx.cos, ctx.sin)[:, 0]
+        cache[ctx.slot_mapping] = torch.cat([self.kv_a_norm(c), k_pe], dim=-1)
+        out = self.attn.latent_attention(self, q_nope, q_pe, cache, ctx)
         h = x + self.o_proj(out.reshape(t, nh * m.v_head_dim))
         return h, self.post_norm(h)
 
-    def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [nh, nope, r] and W_UV [nh, v, r]."""
         m = self.mla
         w = self.kv_b_proj.weight.view(self.nh, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
-
-    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
-        """[T, nh, v_head_dim] attention outputs of the flat batch."""
-        t = q_nope.shape[0]
-        if meta.decode_rows is not None and meta.decode_rows.shape[0] == t:
-            return self._decode(q_nope, q_pe, cache, meta)  # pure decode batch
-        out = q_nope.new_empty(t, self.nh, self.mla.v_head_dim)
-        if meta.decode_rows is not None:
-            rows = meta.decode_rows
-            out[rows] = self._decode(q_nope[rows], q_pe[rows], cache, meta)
-        for g in meta.prefill_groups():
-            out[g.dst] = self._prefill(q_nope[g.rows], q_pe[g.rows], cache[g.slots], g.mask).flatten(0, 1)[g.src]
-        return out
-
-    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """A group of prefill pieces (``AttnMetadata.prefill_groups``): their new tokens [P, Lq, nh, *]
-        over their contexts ``latent`` [P, Lk, r + rope], expanded; [P, Lq, nh, v_head_dim]."""
-        m, nh = self.mla, self.nh
-        p, kv_len = latent.shape[:2]
-        c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        k_nope, v = self.kv_b_proj(c).view(p, kv_len, nh, -1).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(p, kv_len, nh, m.qk_rope_head_dim)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        qs, ks, vs = (a.transpose(1, 2) for a in (q, k, v))
-        o = sdpa(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=m.softmax_scale)
-        return o.transpose(1, 2)
-
-    DECODE_CHUNK = 32  # sequences per attention call
-
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
-        """Absorbed decode: the scores ``q_nope W_UK c + q_pe k_pe`` against the cached latents,
-        then ``W_UV`` on the attended latent."""
-        m = self.mla
-        w_uk, w_uv = self._w_kv_b()
-        q = torch.cat([torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe], dim=-1)  # [S, nh, r + rope]
-        outs = []
-        for s in range(0, q.shape[0], self.DECODE_CHUNK):
-            e = s + self.DECODE_CHUNK
-            keys = cache[meta.decode_slots[s:e]][:, None]  # [S, 1, L, r + rope]: one key head
-            # the heads as the queries of that one key head (faster on CPU than enable_gqa)
-            o = sdpa(q[s:e, None], keys, keys[..., : m.kv_lora_rank], attn_mask=meta.decode_mask[s:e],
-                     scale=m.softmax_scale)
-            outs.append(o[:, 0])
-        lat = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, nh, r]
-        return torch.einsum("snr,nvr->snv", lat, w_uv)

@@ -14,17 +14,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from afdserve import kernels
+from afdserve.backends import Backends
+from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
 from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
-from afdserve.model.attention import AttentionPart, AttnMetadata
+from afdserve.model.attention import AttentionPart
 from afdserve.model.config import ModelConfig
 from afdserve.model.dense import DenseMLP
 from afdserve.model.experts import ExpertPart, SharedExpert
 from afdserve.model import gpt_oss_weights
-from afdserve.model.layers import RMSNorm
-from afdserve.model.greedy import Best
-from afdserve.model.linear import Linear, linear_rows, lm_head, lm_head_argmax
+from afdserve.model.layers import RMSNorm, prepare_all
+from afdserve.model.linear import Linear
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.mla import MLAPart
 from afdserve.model.rope import Rope
@@ -55,83 +55,77 @@ class AttentionModel(nn.Module):
                                    for l in cfg.dense_layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        # the distinct key windows of the layers (0: all keys): what ``AttnMetadata.to`` prepares
+        # the distinct key windows of the layers (0: all keys): what a step's context prepares
         self.windows = tuple(sorted({getattr(a, "window", 0) for a in self.attn}))
         self.rotary = Rope.from_config({"rope_theta": cfg.rope_theta, **cfg.extra}, cfg.head_dim,
                                        cfg.max_position_embeddings)
-        self._compiled = None  # compile_decode
+        self.backends: Backends | None = None
+        self._decode_half = _half  # compile_decode: the attention half of decode steps, compiled
         self.requires_grad_(False)
 
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def prepare(self, backends: Backends) -> "AttentionModel":
+        """Packs the weights (on their device already) for ``backends`` and binds every layer to
+        them: the attention half computes a plain router's logits along."""
+        for child in self.children():
+            prepare_all(child, backends)
+        for layer, part in enumerate(self.attn):
+            if isinstance(part, MLAPart):
+                part.bind(backends)
+                continue
+            router = self.routers[str(layer)] if self.cfg.is_moe(layer) else None
+            part.bind(backends, router.op if router is not None and router.plain_logits else None)
+        self.backends = backends
+        return self
+
+    def context(self, layout: StepLayout, buffers: StepBuffers) -> AttnContext:
+        """The step's context every layer reads (the attention backend's, with the rotary tables)."""
+        ctx = self.backends.attention.prepare(layout, self.windows, buffers)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype)
+        return ctx
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
 
-    def step_inputs(self, input_ids: torch.Tensor, meta: AttnMetadata,
-                    rows: torch.Tensor) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor]:
-        """A step's host-built inputs on this model's device: the metadata with its keys prepared
-        for every window (``AttnMetadata.to``), the token ids and sampled rows copied without waiting."""
-        dev = self.device
-        meta = meta.to(dev, self.windows)
-        return input_ids.to(dev, non_blocking=True), meta, rows.to(dev, non_blocking=True)
-
-    def pre_moe(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                meta: AttnMetadata, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre_moe(self, layer: int, x: torch.Tensor, ctx: AttnContext,
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Attention half of a layer: returns (h, y, topk_ids, topk_weights); ids and weights are
         None for a dense layer (``cfg.is_moe(layer)`` false: nothing to dispatch)."""
-        if self.cfg.mla is not None:
-            h, y = self.attn[layer](x, cos_sin, meta, kv.latent(layer))
+        part, logits = self.attn[layer], None
+        if isinstance(part, MLAPart):
+            h, y = part(x, ctx, kv.latent(layer))
+        elif ctx.is_decode:
+            h, y, logits = self._decode_half(part.half, x, ctx, kv.keys(layer), kv.values(layer))
         else:
-            compiled = self._compiled is not None and meta.is_decode
-            out = self._compiled_decode(layer, x, cos_sin, meta, kv) if compiled else None
-            if out is not None:
-                return out
-            router = self.routers[str(layer)] if self.cfg.is_moe(layer) else None
-            plain = router is not None and router.plain_logits
-            fused = self.attn[layer].fused(x, cos_sin, meta, kv.keys(layer), kv.values(layer),
-                                           router.weight if plain else None)
-            if fused is None:
-                h, y = self.attn[layer](x, cos_sin, meta, kv.keys(layer), kv.values(layer))
-            else:  # one kernel call for the attention half (and a plain router's logits)
-                h, y, logits = fused
-                if plain:
-                    return (h, y, *router.route(logits))
+            h, y, logits = part(x, ctx, kv.keys(layer), kv.values(layer))
         if not self.cfg.is_moe(layer):
             return h, y, None, None
-        ids, w = self.routers[str(layer)](y)
+        router = self.routers[str(layer)]
+        ids, w = router(y) if logits is None else router.route(logits)
         return h, y, ids, w
 
     def compile_decode(self) -> None:
-        """Runs the attention half of every layer (attention and router) of a decode batch through
-        ``torch.compile`` (dynamic shapes: one compilation for every batch size and context length,
-        on the first decode step). A model whose compilation fails warns and stays eager. MLA
-        layers stay eager."""
-        if self.cfg.mla is None:
-            self._compiled = (torch.compile(_paged_half, dynamic=True), torch.compile(_decode_half, dynamic=True))
+        """Runs the attention half of decode steps through ``torch.compile`` (dynamic shapes: one
+        compilation for every batch size, context length and layer, on the first decode step). A
+        compilation that fails warns and the model stays eager. MLA layers stay eager."""
+        compiled = torch.compile(_half, dynamic=True)
 
-    def _compiled_decode(self, layer: int, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                         meta: AttnMetadata, kv: KVCache) -> tuple | None:
-        """``pre_moe`` of a decode batch through the compiled function (around the paged attention
-        kernel where it runs); None if it failed."""
-        a, key = self.attn[layer], str(layer)
-        router = self.routers[key] if key in self.routers else None
-        paged, plain = self._compiled
-        try:
-            if meta.block_tables is not None and kernels.supports("paged_attention", x):
-                # no duck sizing: the block tables' width would be guarded equal to any size it matches
-                # once (the KV heads, say), and recompiled when it grows past it
+        def run(half, x, ctx, k_cache, v_cache):
+            try:
+                # no duck sizing: the block tables' width would be guarded equal to any size it
+                # matches once (the KV heads, say), and recompiled when it grows past it
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
-                    return paged(a, router, x, *cos_sin, meta.slot_mapping, meta.block_tables, *meta.lens(),
-                                 meta.block_size, kv.keys(layer), kv.values(layer))
-            return plain(a, router, x, *cos_sin, meta.slot_mapping, *meta.decode_kv(a.window), kv.keys(layer),
-                         kv.values(layer))
-        except Exception as e:  # a compiler missing or failing: eager from now on
-            warnings.warn(f"torch.compile of the decode step failed, running eager: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=2)
-            self._compiled = None
-            return None
+                    return compiled(half, x, ctx, k_cache, v_cache)
+            except Exception as e:  # a compiler missing or failing: eager from now on
+                warnings.warn(f"torch.compile of the decode step failed, running eager: {type(e).__name__}: {e}",
+                              RuntimeWarning, stacklevel=2)
+                self._decode_half = _half
+                return _half(half, x, ctx, k_cache, v_cache)
+
+        self._decode_half = run
 
     def post_moe(self, layer: int, h: torch.Tensor, y: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor:
         """Combines the routed experts' output (and the shared expert) into the layer output; a
@@ -142,27 +136,16 @@ class AttentionModel(nn.Module):
             routed = routed + self.shared[str(layer)](y)
         return h + routed
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return lm_head(self.norm(x), self.lm_head.weight)
-
-    def greedy(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax of ``logits(x)`` (int64), without the logits where the kernel runs."""
-        best = Best(x.shape[0], x.device)
-        lm_head_argmax(self.norm(x), self.lm_head.weight, best)
-        return best.idx
-
-    def greedy_slice(self, xn: torch.Tensor, start: int, end: int, best: Best) -> None:
-        """Merges each row's largest logit in the vocabulary ``[start, end)`` of the normalized ``xn``,
-        and its index, into ``best``: the greedy LM head in pieces."""
-        lm_head_argmax(xn, self.lm_head.weight, best, start, end)
-
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
-    def logits_slice(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
-        """Vocabulary ``[start, end)`` of the logits of the normalized ``xn`` into ``out[:, start:end]``
-        (float32): the LM head in pieces."""
-        linear_rows(xn, self.lm_head.weight, start, end, torch.float32, out=out[:, start:end])
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits [len(x), vocab] of the last hidden states ``x``."""
+        return self.lm_head.op.logits(self.norm(x))
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of ``logits(x)`` (int64), without keeping the logits where the backend can."""
+        return self.lm_head.op.argmax(self.norm(x))
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | torch.dtype = "float32",
@@ -170,7 +153,6 @@ class AttentionModel(nn.Module):
         cfg = cfg or ModelConfig.from_pretrained(path)
         dt = parse_dtype(dtype)
         r = reader or CheckpointReader(path)
-        kernels.load()  # now (built or loaded once per process), not in the first step
         m = cls(cfg, dt)
         h, nh, nkv, hd, v = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
         m.embed.weight.copy_(r.get("model.embed_tokens.weight", (v, h), dt))
@@ -206,20 +188,9 @@ class AttentionModel(nn.Module):
         return m
 
 
-def _paged_half(attn: AttentionPart, router: Router | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slot_mapping: torch.Tensor, tables: torch.Tensor, kv_lens: torch.Tensor, cu_q: torch.Tensor,
-                block_size: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-    """``pre_moe`` of a decode batch over the paged attention kernel, on tensors only."""
-    h, y = attn.paged(x, cos, sin, slot_mapping, tables, kv_lens, cu_q, block_size, k_cache, v_cache)
-    return (h, y, None, None) if router is None else (h, y, *router(y))
-
-
-def _decode_half(attn: AttentionPart, router: Router | None, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 slot_mapping: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> tuple:
-    """``pre_moe`` of a decode batch on tensors only: what ``compile_decode`` compiles."""
-    h, y = attn.decode(x, cos, sin, slot_mapping, slots, mask, k_cache, v_cache)
-    return (h, y, None, None) if router is None else (h, y, *router(y))
+def _half(half, x: torch.Tensor, ctx: AttnContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """A layer's bound attention half (``AttentionPart.half``): what ``compile_decode`` compiles."""
+    return half(x, ctx, k_cache, v_cache)
 
 
 def _shared_expert(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
@@ -264,11 +235,18 @@ class ExpertModel(nn.Module):
         # a dense layer holds no experts whatever the map says: its MLP is on the attention side
         self.layers = nn.ModuleList(ExpertPart(cfg, ids if cfg.is_moe(l) else [], dtype)
                                     for l, ids in enumerate(expert_ids))
+        self.backends: Backends | None = None
         self.requires_grad_(False)
 
     @property
     def device(self) -> torch.device:
         return self.layers[0].local_index.device
+
+    def prepare(self, backends: Backends) -> "ExpertModel":
+        """Packs every layer's held experts (on their device already) for ``backends``."""
+        prepare_all(self.layers, backends)
+        self.backends = backends
+        return self
 
     @classmethod
     def load(cls, path: str | Path, expert_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -286,7 +264,6 @@ class ExpertModel(nn.Module):
             if bad:
                 raise ModelError(f"expert ids {bad} out of range 0..{cfg.num_experts - 1}")
         r = reader or CheckpointReader(path)
-        kernels.load()
         m = cls(cfg, per_layer, dt)
         for l, part in enumerate(m.layers):
             for j, e in enumerate(part.expert_ids):
@@ -295,8 +272,8 @@ class ExpertModel(nn.Module):
 
 
 def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reader: CheckpointReader) -> ExpertModel:
-    """An ExpertModel holding ``expert_ids[layer]``: weights it already has are copied from ``old``,
-    the others are read from the checkpoint."""
+    """An ExpertModel holding ``expert_ids[layer]`` on ``old``'s device, prepared for its backends (if
+    it was): weights it already has are copied from ``old``, the others are read from the checkpoint."""
     new = ExpertModel(old.cfg, [list(x) for x in expert_ids], old.dtype)
     for layer, (part, before) in enumerate(zip(new.layers, old.layers)):
         have = {e: j for j, e in enumerate(before.expert_ids)}
@@ -305,7 +282,8 @@ def regroup_experts(old: ExpertModel, expert_ids: Sequence[Sequence[int]], reade
                 part.set_weights(j, before.weights(have[e]))
             else:
                 part.set_weights(j, read_expert(reader, old.cfg, layer, e, old.dtype))
-    return new
+    new = new.to(old.device)
+    return new if old.backends is None else new.prepare(old.backends)
 
 
 def read_lm_head(r: CheckpointReader, cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:

@@ -162,15 +162,3 @@ class Rope:
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation (Llama/Mixtral/Qwen/gpt-oss) of ``x`` [T, heads, D] by cos/sin [T, R]:
-    the first R dimensions rotate, the others (partial rotary) pass through."""
-    r = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
-    half = r // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    out = rot * cos + rotated * sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afdserve.backends import Backends
+from afdserve.backends.base import LinearOp
 from afdserve.model.config import ModelConfig
-from afdserve.model.linear import linear
 
 
 class Router(nn.Module):
@@ -37,6 +38,11 @@ class Router(nn.Module):
         # gpt-oss: a bias on the logits; top-k of the logits, then softmax over those k
         self.logit_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=dtype), requires_grad=False) \
             if cfg.router_bias else None
+        self.op: LinearOp | None = None  # the logits' projection, packed by ``prepare``
+
+    def prepare(self, backends: Backends) -> None:
+        weight = self.weight.float() if self.fp32_logits else self.weight
+        self.op = backends.linear.pack(weight, self.logit_bias)
 
     def _group_mask(self, choice: torch.Tensor) -> torch.Tensor:
         """[T, E] bool: the experts of each token's ``topk_group`` best groups."""
@@ -52,18 +58,16 @@ class Router(nn.Module):
 
     @property
     def plain_logits(self) -> bool:
-        """Its logits are ``linear(y, weight)`` widened to float32, as a fused kernel computes them
-        (``route`` takes them from there)."""
+        """Its logits are ``y W^T`` in y's dtype widened to float32, as an attention backend computes
+        them with the attention half (``route`` takes them from there)."""
         return self.logit_bias is None and not self.fp32_logits
 
     def forward(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
         if self.logit_bias is not None:  # gpt-oss
-            top, ids = torch.topk(linear(y, self.weight, self.logit_bias).float(), self.top_k, dim=-1)
+            top, ids = torch.topk(self.op(y).float(), self.top_k, dim=-1)
             return ids, F.softmax(top, dim=-1)
-        if self.fp32_logits:
-            return self.route(F.linear(y.float(), self.weight.float()))
-        return self.route(linear(y, self.weight).float())
+        return self.route(self.op(y.float() if self.fp32_logits else y).float())
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids, topk_weights) from the float32 logits [T, E] (not gpt-oss's: ``forward``)."""

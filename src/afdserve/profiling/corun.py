@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from afdserve.profiling.parts import Checkpoint, decode_metadata, expert_compute, kv_cache
+from afdserve.profiling.parts import Checkpoint, decode_layout, expert_compute, kv_cache, step_context
+from afdserve.runtime import ExpertInput, LayerKey
 from afdserve.profiling.probes import cpu_cores
 from afdserve.profiling.timers import median_time
 
@@ -27,13 +28,13 @@ def attention_work(ckpt: Checkpoint) -> tuple[Callable[[int], None], Callable[[]
     layer, the LM head)``."""
     cfg, dt = ckpt.cfg, ckpt.dtype
     model = ckpt.attention_model()
-    meta, blocks = decode_metadata(16, 64, 16)
+    layout, blocks = decode_layout(16, 64, 16)
     kv = kv_cache(cfg, blocks, 16, dt)
     x = torch.randn(16, cfg.hidden_size).to(dt)
-    cos_sin = model.rotary.cos_sin(meta.positions, dt)
+    ctx = step_context(model, layout)
 
     def layer(lyr: int) -> None:
-        h, y, _ids, _w = model.pre_moe(lyr, x, cos_sin, meta, kv)
+        h, y, _ids, _w = model.pre_moe(lyr, x, ctx, kv)
         model.post_moe(lyr, h, y, torch.zeros_like(y))
 
     return layer, lambda: model.logits(x)
@@ -47,7 +48,7 @@ def expert_work(ckpt: Checkpoint, pairs_per_expert: int) -> Callable[[int], None
     tokens = pairs_per_expert * cfg.num_experts // k
     ids = torch.tensor([[(t * k + j) % cfg.num_experts for j in range(k)] for t in range(tokens)], dtype=torch.int32)
     y, w = torch.randn(tokens, cfg.hidden_size).to(dt), torch.rand(tokens, k)
-    return lambda lyr: compute.run(lyr, [[y, ids, w]])
+    return lambda lyr: compute.run(lyr, [ExpertInput(LayerKey(0, 0, lyr), 0, y, ids, w)])
 
 
 def measure_corun(

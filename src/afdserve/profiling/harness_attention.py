@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from afdserve.profiling.loopback import LoopbackLinks
-from afdserve.profiling.parts import Checkpoint, attention_runner, decode_metadata, kv_cache
+from afdserve.profiling.parts import Checkpoint, attention_runner, decode_layout, kv_cache, step_context
 from afdserve.profiling.timers import median_time
-from afdserve.runtime import ExpertMap, Tracer
+from afdserve.runtime import ExpertMap, LayerKey, Tracer
 
 __all__ = ["measure_attention"]
 
@@ -42,14 +42,14 @@ def measure_attention(
     for b, s, n_e in points:
         s = max(2, min(int(s), cfg.max_position_embeddings - 1))
         n_e = max(1, min(int(n_e), cfg.num_experts))
-        meta, blocks = decode_metadata(b, s, block_size)
+        layout, blocks = decode_layout(b, s, block_size)
         kv = kv_cache(cfg, blocks, block_size, dt)
         for t in kv.tensors():
             t.normal_(0, 1, generator=gen)
         emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, n_e)
         runner = attention_runner(model, kv, LoopbackLinks(cfg.hidden_size, dt), emap, Tracer("profile"))
         x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
-        cos_sin = model.rotary.cos_sin(meta.positions, dt)
+        ctx = step_context(model, layout)
         state: dict[str, Any] = {"n": 0, "flight": None}
 
         def call() -> None:
@@ -59,8 +59,8 @@ def measure_attention(
             if d is not None:
                 runner.wait(d)
                 runner.combine(d)
-            h, y, ids, w = model.pre_moe(lyr, x, cos_sin, meta, kv)
-            state["flight"] = runner.dispatch(0, 0, lyr, h, y, ids, w)
+            h, y, ids, w = model.pre_moe(lyr, x, ctx, kv)
+            state["flight"] = runner.dispatch(LayerKey(0, 0, lyr), h, y, ids, w)
 
         call()  # warm-up (allocator, kernels)
         t = median_time(call, repeats, flush)

@@ -10,6 +10,7 @@ import torch
 
 from afdserve.profiling.parts import Checkpoint, expert_compute
 from afdserve.profiling.timers import median_time
+from afdserve.runtime import ExpertInput, LayerKey
 
 __all__ = ["measure_expert"]
 
@@ -50,7 +51,7 @@ def measure_expert(
             def call() -> None:
                 lyr = layer[0] % cfg.num_layers
                 layer[0] += 1
-                compute.run(lyr, [[y, ids, w]])
+                compute.run(lyr, [ExpertInput(LayerKey(0, 0, lyr), 0, y, ids, w)])
 
             call()
             t = median_time(call, repeats, flush)

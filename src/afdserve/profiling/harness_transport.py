@@ -23,7 +23,7 @@ from torch.distributed import TCPStore
 from afdserve.comm import CommConfig, Communicator
 from afdserve.planner.fitting import TransportSamples
 from afdserve.profiling.timers import cpu_time
-from afdserve.runtime import Links
+from afdserve.runtime import ExpertInput, LayerKey, Links
 
 __all__ = ["measure_transport", "connect_pair", "dispatch_message", "pin_pair", "spin"]
 
@@ -123,7 +123,7 @@ def measure_transport(
                     if phase == "asleep":
                         spin(busy)
                     t0, c0 = time.perf_counter(), cpu_time()
-                    links.send(0, msg, (0, 0, 0, 0))
+                    links.send(0, ExpertInput(LayerKey(0, 0, 0), 0, *msg))
                     c1 = cpu_time()
                     links.recv(0, 30.0).release()
                     if i >= 2 and phase in t_rtt:
@@ -131,10 +131,10 @@ def measure_transport(
                         t_send[phase].append(c1 - c0)
             mine.append((fwd, back, {k: statistics.median(v) for k, v in t_rtt.items()},
                          {k: statistics.median(v) for k, v in t_send.items()}))
-        msg = links.recv(0, 30.0)
+        msg = links.recv(0, 30.0)  # the peer's timings (not a data-plane message: the comm layer's own)
         peer_rows = msg.tensors[0].tolist()
         msg.release()
-        links.send(0, [torch.zeros(1)], (0, 0, 0, 3))  # goodbye
+        links.comm.send("expert", [torch.zeros(1)])  # goodbye
         for tokens, (fwd, back, rtt, snd), (take, reply_fast, reply_ring) in zip(plan, mine, peer_rows):
             res.oneway.append([(fwd + back) / 2, rtt["fast"] / 2])
             res.send += [[float(fwd), snd["fast"]], [float(back), reply_fast]]

@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from afdserve.comm import Message
+from afdserve.runtime import ExpertInput, ExpertOutput
+
 __all__ = ["LoopbackLinks"]
-
-
-@dataclass(frozen=True)
-class _Meta:
-    step: int
-    microbatch: int
-    layer: int
-    ints: tuple[int, ...] = ()
-
-
-class _Reply:
-    __slots__ = ("tensors", "meta")
-
-    def __init__(self, tensors: list[torch.Tensor], meta: _Meta):
-        self.tensors, self.meta = tensors, meta
-
-    def release(self) -> None:
-        pass
 
 
 class LoopbackLinks:
@@ -35,23 +19,22 @@ class LoopbackLinks:
 
     def __init__(self, hidden: int, dtype: torch.dtype, on_recv: Callable[[], None] | None = None):
         self.hidden, self.dtype, self.on_recv = hidden, dtype, on_recv
-        self.pending: dict[int, list[tuple[int, _Meta]]] = {}
+        self.pending: dict[int, list[ExpertInput]] = {}
 
-    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int],
-             ints: tuple[int, ...] = ()) -> None:
-        step, mb, layer, _ = meta  # the reply answers this (step, micro-batch, layer), as an expert's does
-        self.pending.setdefault(peer, []).append((int(tensors[0].shape[0]), _Meta(step, mb, layer)))
+    def send(self, peer: int, msg: ExpertInput) -> None:
+        self.pending.setdefault(peer, []).append(msg)  # answered with the layer's key, as an expert does
 
-    def recv(self, peer: int, timeout: float) -> _Reply:
-        n, meta = self.pending[peer].pop(0)
+    def recv(self, peer: int, timeout: float) -> Message:
+        inp = self.pending[peer].pop(0)
         if self.on_recv is not None:
             self.on_recv()
-        return _Reply([torch.zeros(n, self.hidden, dtype=self.dtype)], meta)
+        out = ExpertOutput(inp.key, torch.zeros(inp.hidden.shape[0], self.hidden, dtype=self.dtype))
+        return Message(f"expert{peer}", 0, out.meta(), out.tensors(), 0)
 
-    def try_recv(self, peers: list[int]) -> tuple[int, _Reply] | None:
+    def try_recv(self, peers: list[int]) -> tuple[int, Message] | None:
         return (peers[0], self.recv(peers[0], 0.0)) if self.pending.get(peers[0]) else None
 
-    def recv_any(self, peers: list[int], timeout: float) -> tuple[int, _Reply]:
+    def recv_any(self, peers: list[int], timeout: float) -> tuple[int, Message]:
         return peers[0], self.recv(peers[0], timeout)
 
     def close(self) -> None:

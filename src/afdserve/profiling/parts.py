@@ -7,20 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from afdserve.backends import Backends, choose
+from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
 from afdserve.balance.load import LoadTracker
 from afdserve.config import EngineConfig
 from afdserve.engine.engine import Engine
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.kvcache import BlockManager, KVCache
-from afdserve.model.attention import AttnMetadata
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader, parse_dtype
 from afdserve.model.model import AttentionModel, ExpertModel
 from afdserve.runtime import ExpertCompute, ExpertMap, PipelinedRunner
 
-__all__ = ["Checkpoint", "kv_cache", "decode_metadata", "attention_runner", "expert_compute",
+__all__ = ["Checkpoint", "kv_cache", "decode_layout", "step_context", "attention_runner", "expert_compute",
            "attention_engine"]
 
 BLOCK_SIZE = EngineConfig().block_size
@@ -34,25 +36,34 @@ class Checkpoint:
         self.cfg = ModelConfig.from_pretrained(self.path)
         self.reader = CheckpointReader(self.path)
         self.dtype = parse_dtype(dtype)
+        # the backends a worker on this machine's CPU chooses (engine.builder.engine_backends)
+        self.backends: Backends = choose("cpu", self.dtype, latent=self.cfg.mla is not None)
 
     def attention_model(self) -> AttentionModel:
-        return AttentionModel.load(self.path, self.dtype, self.cfg, self.reader)
+        return AttentionModel.load(self.path, self.dtype, self.cfg, self.reader).prepare(self.backends)
 
     def experts(self, held: list[int] | None = None) -> ExpertModel:
         """The routed experts ``held`` (None: all) of every layer."""
-        return ExpertModel.load(self.path, held, self.dtype, self.cfg, self.reader)
+        return ExpertModel.load(self.path, held, self.dtype, self.cfg, self.reader).prepare(self.backends)
 
 
 def kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> KVCache:
     return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, cfg.kv_latent_dim)
 
 
-def decode_metadata(b: int, s: int, block_size: int = BLOCK_SIZE) -> tuple[AttnMetadata, int]:
-    """``(metadata, blocks)`` of ``b`` decode sequences with ``s`` tokens each (the last one new),
+def decode_layout(b: int, s: int, block_size: int = BLOCK_SIZE) -> tuple[StepLayout, int]:
+    """``(layout, blocks)`` of ``b`` decode sequences with ``s`` tokens each (the last one new),
     blocks laid out one sequence after the other."""
     nb = -(-s // block_size)
-    slots = [torch.arange(i * nb * block_size, i * nb * block_size + s) for i in range(b)]
-    return AttnMetadata.build([1] * b, slots), b * nb
+    table = np.arange(b * nb, dtype=np.int32).reshape(b, nb)
+    if nb < 2:
+        table = np.concatenate([table, np.full((b, 1), -1, dtype=np.int32)], axis=1)
+    return StepLayout.of([1] * b, [s] * b, table, block_size), b * nb
+
+
+def step_context(model: AttentionModel, layout: StepLayout) -> AttnContext:
+    """The context a runner builds for a step of ``layout`` (its own buffers)."""
+    return model.context(layout, StepBuffers(model.device))
 
 
 def attention_runner(model: AttentionModel, kv: KVCache, links: Any, expert_map: ExpertMap,

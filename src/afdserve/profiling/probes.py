@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from afdserve.kernels.build import cpu_cores, cpuinfo
+from afdserve.config import cpu_cores, cpuinfo
 
 __all__ = ["llc_bytes", "cpu_cores", "idle_fraction", "cpu_name"]
 

@@ -11,6 +11,7 @@ import torch
 
 from afdserve.profiling.harness_transport import connect_pair, spin
 from afdserve.profiling.timers import cpu_time
+from afdserve.runtime import ExpertOutput, LayerKey
 
 __all__ = ["serve_peer"]
 
@@ -26,7 +27,7 @@ def serve_peer(arg: str) -> None:
     try:
         rows = []  # per size: [take a waiting message, reply to a spinning peer, reply to a sleeping peer]
         for tokens in a["plan"]:
-            reply = [torch.randn(tokens, a["hidden"]).to(dt)]
+            reply = ExpertOutput(LayerKey(0, 0, 0), torch.randn(tokens, a["hidden"]).to(dt))
             take, fast, ring = [], [], []
             for phase in ("fast", "asleep", "busy"):
                 for i in range(n + 2):
@@ -36,7 +37,7 @@ def serve_peer(arg: str) -> None:
                     for _i, msg in links.gather(30.0):
                         msg.release()
                     t1 = cpu_time()
-                    links.send(0, reply, (0, 0, 0, 0))
+                    links.send(0, reply)
                     t2 = cpu_time()
                     if i >= 2:
                         if phase == "busy":
@@ -45,7 +46,7 @@ def serve_peer(arg: str) -> None:
                         else:
                             fast.append(t2 - t1)
             rows.append([statistics.median(take), statistics.median(fast), statistics.median(ring)])
-        links.send(0, [torch.tensor(rows, dtype=torch.float64)], (0, 0, 0, 2))
+        links.comm.send("attention", [torch.tensor(rows, dtype=torch.float64)])  # the timings
         links.comm.recv("attention", timeout=30.0).release()  # the parent's goodbye
     finally:
         links.close()

@@ -2,6 +2,7 @@
 their M2N links, expert maps and traces. What other packages may use is listed here."""
 
 from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.data_plane import ExpertInput, ExpertOutput, Kind, LayerKey
 from afdserve.runtime.expert_compute import ExpertCompute
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links, PeerFailure
@@ -9,5 +10,5 @@ from afdserve.runtime.messages import AttentionStats, StepOutputs
 from afdserve.runtime.pipeline import Dispatch, PipelinedRunner
 from afdserve.runtime.trace import Span, Tracer
 
-__all__ = ["AttentionStats", "ControlChannel", "Dispatch", "ExpertCompute", "ExpertMap", "Links", "PeerFailure",
-           "PipelinedRunner", "Span", "StepOutputs", "Tracer"]
+__all__ = ["AttentionStats", "ControlChannel", "Dispatch", "ExpertCompute", "ExpertInput", "ExpertMap", "ExpertOutput",
+           "Kind", "LayerKey", "Links", "PeerFailure", "PipelinedRunner", "Span", "StepOutputs", "Tracer"]

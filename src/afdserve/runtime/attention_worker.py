@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from afdserve.backends import host
 from afdserve.balance.load import LoadTracker
 from afdserve.engine.builder import build_engine, load_attention_side
 from afdserve.engine.outputs import TokenOutput
@@ -17,12 +18,11 @@ from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
-from afdserve.runtime.links import Links, PeerFailure, regroup, slot_bytes
+from afdserve.runtime.links import Links, PeerFailure, regroup
 from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AttentionStats, GetStats, GetTrace,
                                        PeerLost, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
 from afdserve.runtime.pipeline import PipelinedRunner
-from afdserve.runtime.core_board import join
 from afdserve.runtime.lanes import Lanes
 from afdserve.runtime.trace import Tracer, idle_span
 
@@ -39,18 +39,14 @@ class AttentionWorker:
         path = Path(spec.model_path)
         model_cfg = ModelConfig.from_pretrained(path)
         self.peers = [worker_name("expert", j) for j in range(spec.expert_map.num_workers)]
-        # with a core board it lends its cores while it waits for expert replies (not spinning on them
-        # once borrowed), and its LM head borrows those of expert workers waiting for it
-        lender = join(spec.core_board, "attention", spec.index, cfg.num_threads or 1)
-        self.yield_core = lender.borrowed if lender is not None else None
-        self.links = Links.connect(spec, peers=self.peers, yield_core=self.yield_core)
+        self.hooks = host.join(spec.host_share, "attention", spec.index, cfg.num_threads or 1)  # the backend's
+        self.links = Links.connect(spec, peers=self.peers, no_spin=self.hooks.spin_yield)
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
-                                      lm_head_share=cfg.lm_head_helper_share, lm_reply_bytes=slot_bytes(spec) - 64,
-                                      lender=lender, index=spec.index, lm_head_pieces=cfg.lm_head_in_pieces)
+                                      hooks=self.hooks)
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
@@ -131,7 +127,7 @@ class AttentionWorker:
                                 msg.expert_map or self.runner.full_map, msg.missing)
             self.peers = [worker_name("expert", j) for j in range(msg.expert_workers)]
             self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing,
-                                                       self.yield_core)
+                                                       self.hooks.spin_yield)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg.version, msg.expert_map)  # (never while an expert worker is missing)

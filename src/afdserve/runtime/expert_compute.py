@@ -1,17 +1,13 @@
-"""What an expert worker does with the tokens it received for one layer (and with a share of the
-LM head, when attention workers send one)."""
+"""What an expert worker does with the tokens it received for one layer."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from afdserve.balance.load import LoadTracker
-from afdserve.model.greedy import Best
-from afdserve.model.linear import linear_rows, lm_head_argmax
 from afdserve.model.model import ExpertModel
 from afdserve.model.router import Router
+from afdserve.runtime.data_plane import ExpertInput
 from afdserve.runtime.expert_map import ExpertMap
 
 
@@ -21,13 +17,9 @@ class ExpertCompute:
     expert map (of the version the sender used) says which (token, k) pairs are this worker's."""
 
     def __init__(self, experts: ExpertModel, routers: dict[int, Router] | None, worker: int,
-                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None,
-                 lm_head: torch.Tensor | Callable[[], torch.Tensor] | None = None):
+                 maps: dict[int, ExpertMap], tracker: LoadTracker | None = None):
         self.routers, self.worker, self.maps = routers, worker, maps
         self.experts = experts
-        # [vocab, hidden]: for the share of the LM head attention workers send (a loader: read when
-        # the first share comes; None: this worker takes no share)
-        self.lm_head = lm_head
         self.tracker = tracker  # records logical routing when the gate runs here
         cfg = experts.cfg
         # pairs per (layer, logical expert), the last column those routed elsewhere: counted on the
@@ -49,34 +41,15 @@ class ExpertCompute:
         self._on_host = self._device.type == "cpu"  # the messages are there: no moves
 
     @torch.inference_mode()
-    def logits(self, xn: torch.Tensor, start: int, end: int, out: torch.Tensor) -> None:
-        """float32 logits of the vocabulary ``[start, end)`` for the final normalized hidden states
-        ``xn``, into ``out`` [len(xn), end - start]."""
-        w = self._held_lm_head()
-        linear_rows(xn.to(w.device), w, start, end, torch.float32, out=out)
-
-    @torch.inference_mode()
-    def greedy(self, xn: torch.Tensor, start: int, end: int, best: Best) -> None:
-        """Merges each row's largest logit of the vocabulary ``[start, end)`` and its index into
-        ``best`` (a greedy job's run, in host memory like the replies)."""
-        w = self._held_lm_head()
-        lm_head_argmax(xn.to(w.device), w, best, start, end)
-
-    def _held_lm_head(self) -> torch.Tensor:
-        if callable(self.lm_head):
-            self.lm_head = self.lm_head()
-        if self.lm_head is None:
-            raise RuntimeError("an LM head share came to an expert worker that holds no LM head (lm_head_share=0)")
-        return self.lm_head
-
-    @torch.inference_mode()
-    def run(self, layer: int, parts: list[list[torch.Tensor]], version: int = 0) -> list[torch.Tensor]:
-        """``parts``: per sender, [y] (expert gate) or [y, ids, weights] (attention gate).
-        Returns per sender the partial sums [n_i, H]."""
+    def run(self, layer: int, inputs: list[ExpertInput]) -> list[torch.Tensor]:
+        """The same layer's inputs of several senders (or lanes), routed by the same expert map
+        version; returns per input the partial sums [n_i, H]."""
         dev = self._device  # the messages are in host memory (the M2N slots)
+        version = inputs[0].map_version
+        parts = [[i.hidden] if i.ids is None else [i.hidden, i.ids, i.weights] for i in inputs]
         y = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         y = y if self._on_host else y.to(dev)
-        if len(parts[0]) == 1:
+        if inputs[0].ids is None:
             n_exp = self.experts.cfg.num_experts
             if self.routers is None:
                 raise RuntimeError("expert-side gate requested but this worker has no router weights")

@@ -3,9 +3,9 @@
 Each lane runs engine steps of its own (``Engine.begin(m)``: a micro-batch of the running
 sequences, none of them in another lane's step) through the pipeline. While the expert workers
 compute one lane's layer, the others run: a lane whose expert replies came resumes first (it feeds
-the experts again), then a new step on an idle lane, then a lane with work of its own (its LM head
-in pieces, sampling). So a lane's step boundary (LM head, sampling, scheduling) overlaps the
-experts' work on the other lanes' layers, and the pipeline never drains between steps.
+the experts again), then a new step on an idle lane, then a lane with work of its own (sampling).
+So a lane's step boundary (LM head, sampling, scheduling) overlaps the experts' work on the other
+lanes' layers, and the pipeline never drains between steps.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class Lanes:
                 self.nothing_to_begin = True
         if self.runnable:
             # the oldest step goes on: lanes that reach their step boundary together finish it one
-            # after the other, not piece by piece in alternation, and the first to reach it first
-            # (the expert workers take its LM head's blocks too, then the other's)
+            # after the other, the first to reach it first
             lane = min(self.runnable, key=lambda i: self.tasks[i].t0_ns)
             self.runnable.remove(lane)
             return self._resume(lane)
@@ -81,8 +80,8 @@ class Lanes:
             self._completed(run.poll(timeout))
 
     def _completed(self, done: list[Dispatch]) -> None:
-        """Lanes waiting on these dispatches are ready (a dispatch may complete before its lane
-        yields it: it sends its LM head share, then computes its own part)."""
+        """Lanes waiting on these dispatches are ready (one that completed before its lane yielded it
+        is seen as complete when the lane yields)."""
         for d in done:
             task = self.tasks.get(d.lane)
             if task is not None and task.waiting is d:
@@ -100,11 +99,10 @@ class Lanes:
         self.nothing_to_begin = False
 
     def _task(self, lane: int, step: StepInputs) -> Generator[Dispatch | None, None, None]:
-        logits = yield from self.runner.run(lane, self.runner.next_step(), step.input_ids, step.meta, step.rows,
-                                            step.greedy)
+        out = yield from self.runner.run(lane, self.runner.next_step(), step.model_input)
         yield None  # sampling after the lanes whose replies came
         with self.tracer.span("engine", phase="finish", mb=lane):
-            outs = self.engine.finish(step, logits)
+            outs = self.engine.finish(step, out)
         with self.tracer.span("engine", phase="emit", mb=lane):
             self.emit(outs)
 

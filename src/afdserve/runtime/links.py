@@ -10,11 +10,10 @@ import os
 
 from typing import Callable, Sequence
 
-import torch
-
-from afdserve.comm import CommConfig, Communicator, Message, Meta, PeerError, PeerTimeoutError
-from afdserve.kernels.build import cpu_cores
+from afdserve.comm import CommConfig, Communicator, Message, PeerError, PeerTimeoutError
+from afdserve.config import cpu_cores
 from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.data_plane import ExpertInput, ExpertOutput
 from afdserve.runtime.messages import Ready, Regroup, WorkerSpec
 
 
@@ -37,18 +36,12 @@ def spin_options(spec: WorkerSpec) -> dict:
 
 def slot_bytes(spec: WorkerSpec) -> int:
     """Largest payload of one message a worker receives: every token of a step's micro-batch with
-    its hidden state (float32 at most) plus top-k ids and weights; for an attention worker also the
-    expert workers' share of the LM head's logits (float32) for a step's sequences. With 64-byte
-    alignment slack per tensor."""
+    its hidden state (float32 at most) plus top-k ids and weights, with 64-byte alignment slack per
+    tensor."""
     from afdserve.model.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(spec.model_path)
-    c = spec.config
-    need = c.max_num_batched_tokens * (cfg.hidden_size * 4 + cfg.top_k * 8)
-    if spec.role == "attention":
-        # a step's sequences' logits of the share (a lane step with more rows sends a smaller share)
-        need = max(need, c.max_num_seqs * -(-int(cfg.vocab_size * c.lm_head_helper_share) // 32) * 32 * 4)
-    return need + 4 * 64
+    return spec.config.max_num_batched_tokens * (cfg.hidden_size * 4 + cfg.top_k * 8) + 4 * 64
 
 
 def max_micro_batches(started_with: int) -> int:
@@ -64,10 +57,10 @@ class Links:
 
     @classmethod
     def connect(cls, spec: WorkerSpec, peers: Sequence[str], group: str | None = None,
-                missing: Sequence[int] = (), yield_core: Callable[[], bool] | None = None) -> "Links":
+                missing: Sequence[int] = (), no_spin: Callable[[], bool] | None = None) -> "Links":
         """Links to ``peers`` (but the ``missing`` indices) in the deployment's M2N group (``group``:
-        of a later membership epoch); their waits do not spin while ``yield_core()`` (another worker
-        borrowed this one's lent cores)."""
+        of a later membership epoch); their waits do not spin while ``no_spin()`` (the worker's
+        backend hooks: ``afdserve.backends.host``)."""
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
@@ -75,16 +68,14 @@ class Links:
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **(spin_options(spec) | spec.comm))
         comm = Communicator(spec.name, store, cfg, group=group or spec.group)
-        comm.yield_core_when(yield_core)
+        comm.no_spin_when(no_spin)
         present = [p for i, p in enumerate(peers) if i not in set(missing)]
         comm.connect(send_to=present, recv_from=present)
         return cls(comm, peers, present)
 
-    def send(self, peer: int, tensors: list[torch.Tensor], meta: tuple[int, int, int, int],
-             ints: tuple[int, ...] = ()) -> None:
-        step, mb, layer, tag = meta
-        self.comm.send(self.peers[peer], tensors, Meta(step=step, microbatch=mb, layer=layer,
-                                                       num_tokens=tensors[0].shape[0], tag=tag, ints=ints))
+    def send(self, peer: int, msg: ExpertInput | ExpertOutput) -> None:
+        """Copies a data-plane message into ``peer``'s next registered slot."""
+        self.comm.send(self.peers[peer], msg.tensors(), msg.meta())
 
     def recv(self, peer: int, timeout: float) -> Message:
         return self.comm.recv(self.peers[peer], timeout=timeout)
@@ -148,11 +139,11 @@ def _td(seconds: float):
 
 
 def regroup(links: Links | None, spec: WorkerSpec, peers: Sequence[str], msg: Regroup, ctl: ControlChannel,
-            missing: Sequence[int] = (), yield_core: Callable[[], bool] | None = None) -> Links:
+            missing: Sequence[int] = (), no_spin: Callable[[], bool] | None = None) -> Links:
     """A worker's part of a membership change: close the old links (none: a deferred replacement),
     connect in the new epoch's group, say so (``Ready(worker, pid, epoch)``)."""
     if links is not None:
         links.close()
-    new = Links.connect(spec, peers, group=msg.group, missing=missing, yield_core=yield_core)
+    new = Links.connect(spec, peers, group=msg.group, missing=missing, no_spin=no_spin)
     ctl.send(Ready(spec.name, os.getpid(), msg.epoch))
     return new

@@ -43,7 +43,7 @@ class WorkerSpec:
     deferred: bool = False  # a replacement that loads, says Ready, and connects only on its Regroup
     trace: bool = False
     comm: dict = field(default_factory=dict)  # CommConfig overrides
-    core_board: int | None = None  # inherited descriptor of the board of lent cores (runtime.core_board; None: none)
+    host_share: int | None = None  # inherited descriptor of the machine's share (afdserve.backends.host; None: none)
 
     @property
     def name(self) -> str:

@@ -23,14 +23,13 @@ class StepBreakdown:
     steps: int  # decode steps of the lanes in the window
     step_ms: float  # the window per ``batch`` generated tokens
     attention_layers_ms: float
-    lm_head_ms: float  # the attention worker's part of the LM head
+    lm_head_ms: float
     combine_ms: float
     send_ms: float
     engine_ms: float  # scheduling, sampling, outputs (the engine spans)
     wait_ms: float  # the attention worker blocked on expert replies (its wait spans)
     other_ms: float  # the attention worker outside any span, not waiting: lane switches, Python between spans
     expert_busy_ms: float  # MoE layers
-    expert_lm_head_ms: float  # the expert worker's share of the LM head
     expert_send_ms: float
     expert_idle_ms: float
 
@@ -84,15 +83,14 @@ def breakdown(spans: dict[str, list[dict]], attention: str, expert: str, batch: 
     send = sum(s["dur"] for s in att if s["name"] == "send")
     engine = sum(s["dur"] for s in att if s["name"] == "engine")
     wait = sum(s["dur"] for s in att if s["name"] == "wait")
-    e_moe, e_lm = total(exp, "expert"), total(exp, "expert", "lm_head")
+    e_moe = total(exp, "expert")
     e_send = sum(s["dur"] for s in exp if s["name"] == "send")
     window = sum(b - a for a, b in windows)
     att_spans = layers + lm + combine + total(att, "attention", "dense_mlp") + send + engine
     return StepBreakdown(len(steps), window * per_step, layers * per_step, lm * per_step, combine * per_step,
                          send * per_step, engine * per_step, wait * per_step,
                          max(0.0, window - att_spans - wait) * per_step,
-                         e_moe * per_step, e_lm * per_step, e_send * per_step,
-                         max(0.0, window - e_moe - e_lm - e_send) * per_step)
+                         e_moe * per_step, e_send * per_step, max(0.0, window - e_moe - e_send) * per_step)
 
 
 def _kind(span: dict) -> str:

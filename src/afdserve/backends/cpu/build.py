@@ -4,7 +4,7 @@ The sources (``csrc/``) are compiled with PyTorch's extension builder for the CP
 (``-march=native``) into ``$AFDSERVE_CACHE/kernels/<key>``, where the key hashes the sources, the
 torch and Python versions and the CPU's feature flags: another machine or version builds its own.
 A later process loads the built library directly (no compiler run). ``scripts/setup.sh`` builds them
-(``python -m afdserve.kernels.build``), so the first engine does not wait for the compiler.
+(``python -m afdserve.backends.cpu``), so the first engine does not wait for the compiler.
 
 The kernels need AVX-512 (and AVX512-BF16 for bfloat16 GEMMs), or AVX2 with FMA and F16C;
 ``supports(kernel, tensor)`` says which run here. Anything that goes wrong (no compiler, no ninja)
@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
-from afdserve.config import cache_root
+from afdserve.config import cache_root, cpuinfo
 
 NAME = "afdserve_kernels"
-SOURCES = ("ops.cpp", "lend.cpp", "claims.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp",
-           "attention_half.cpp")
+SOURCES = ("ops.cpp", "lend.cpp", "moe.cpp", "attention.cpp", "layers.cpp", "linear.cpp", "attention_half.cpp")
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads (the library links libgomp.so.1, which
 # resolves to the copy torch already loaded: one thread pool, sized by torch.set_num_threads)
 CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
@@ -52,28 +51,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _csrc() -> Path:
-    return Path(str(resources.files("afdserve.kernels") / "csrc"))
-
-
-def cpuinfo(field: str) -> str:
-    """A field of this CPU in /proc/cpuinfo ("flags", "model name"...); the platform's processor
-    name where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    return Path(str(resources.files("afdserve.backends.cpu") / "csrc"))
 
 
 def build_dir() -> Path:
@@ -142,7 +120,7 @@ def load(build: bool = True) -> Loaded:
         warnings.warn(f"afdserve kernels unavailable, using PyTorch paths: {_state.reason}", RuntimeWarning,
                       stacklevel=2)
         return _state
-    from afdserve.kernels import fakes
+    from afdserve.backends.cpu import fakes
 
     fakes.register()
     _state = Loaded(True, path=str(lib))
@@ -152,15 +130,10 @@ def load(build: bool = True) -> Loaded:
 def main() -> int:
     state = load()
     if state.ok:
-        from afdserve.kernels import supports
+        from afdserve.backends.cpu import supports
 
-        runs = [f"{k} ({', '.join(str(d).removeprefix('torch.') for d in DTYPES if supports(k, torch.zeros(1, dtype=d)))})"
-                for k in KERNELS]
+        runs = [f"{k} ({', '.join(str(d).removeprefix('torch.') for d in DTYPES if supports(k, d))})" for k in KERNELS]
         print(f"afdserve: kernels ready ({state.path}): {'; '.join(runs)}")
     else:
         print(f"afdserve: kernels unavailable ({state.reason}); the PyTorch paths will serve")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Cores lent between the worker processes of one machine (``lend_idle_cores``).
+"""Cores lent between the worker processes of one machine (``lend_idle_cores``): the cpu backend's
+``afdserve.backends.host`` hooks.
 
 A deployment whose workers share a machine's cores (the local cluster) splits them: each worker
 runs ``num_threads`` threads. An attention worker that has nothing to do but wait for expert
@@ -18,9 +19,7 @@ comes after the kernel, so the two rarely overlap at all.
 
 Board layout: int32 [2, SLOTS]; row 0: threads the slot's owner lends now (0 while it computes),
 row 1: the pid of the worker that holds them (0: nobody). Attention worker i owns slot i, expert
-worker j slot SLOTS / 2 + j (``slot``). After it, int64 [SLOTS / 2, CLAIM_LANES]: the claim words
-of the attention workers' lanes, through which they share their LM heads out with idle expert
-workers (``runtime.lm_head``).
+worker j slot SLOTS / 2 + j (``slot``).
 """
 
 from __future__ import annotations
@@ -32,13 +31,11 @@ from contextlib import contextmanager
 
 import torch
 
-from afdserve import kernels
-from afdserve.kernels.build import cpu_cores
+from afdserve.backends.cpu import ops
+from afdserve.config import cpu_cores
 
 SLOTS = 1024
-CLAIM_LANES = 16  # lanes per attention worker with a claim word (runtime.lm_head)
-_LEND_BYTES = 2 * SLOTS * 4
-_BYTES = _LEND_BYTES + SLOTS // 2 * CLAIM_LANES * 8
+_BYTES = 2 * SLOTS * 4
 
 
 def slot(role: str, index: int) -> int:
@@ -52,8 +49,6 @@ class CoreBoard:
         self.mm, self.fd = mm, fd  # fd: the creator's, passed to the workers it starts
         self._ints = memoryview(mm).cast("i")  # plain stores: a Python call per wait, not a tensor op
         self.tensor = torch.frombuffer(mm, dtype=torch.int32, count=2 * SLOTS).view(2, SLOTS)
-        self.claim_words = torch.frombuffer(mm, dtype=torch.int64, count=SLOTS // 2 * CLAIM_LANES,
-                                            offset=_LEND_BYTES).view(SLOTS // 2, CLAIM_LANES)
 
     @classmethod
     def create(cls) -> "CoreBoard | None":
@@ -78,9 +73,12 @@ class CoreBoard:
         return Lender(self._ints, slot, threads, self) if 0 <= slot < SLOTS and threads > 0 else None
 
     def borrow(self, most: int) -> bool:
-        """This process's big kernels (fused MoE, the LM head's linear) borrow up to ``most`` lent
-        threads (False: no kernels)."""
-        return kernels.borrow_lent_threads(self.tensor, most) if most > 0 else False
+        """This process's big kernels (fused MoE, the LM head's linear) borrow, chunk by chunk, up to
+        ``most`` lent threads (False: no kernels here)."""
+        if most <= 0 or not ops.available():
+            return False
+        ops.ops().lend_board(self.tensor, most)
+        return True
 
     def read(self) -> list[tuple[int, int]]:
         """(threads lent, holder pid) of every slot (tests and diagnostics)."""
@@ -98,7 +96,7 @@ class Lender:
 
     def __init__(self, ints: memoryview, slot: int, threads: int, board: CoreBoard | None = None):
         self._ints, self.slot, self.threads = ints, slot, threads
-        self.board = board  # the board it is on (its LM-head claim words: runtime.lm_head)
+        self.board = board  # the board it is on (kept mapped as long as its lender lives)
         self.reclaim()  # a replacement starts from a clean slot
 
     def lend(self) -> None:
@@ -132,17 +130,49 @@ def lent(lender: "Lender | None") -> Iterator[None]:
         lender.reclaim()
 
 
-def join(fd: int | None, role: str, index: int, threads: int) -> Lender | None:
-    """A worker's place on the board it inherited as ``fd`` (None: no board, nothing lent or
-    borrowed): its big kernels borrow the threads others lend, and the returned ``Lender`` lends
-    its own ``threads`` on its slot while it waits (the board stays mapped as long as it)."""
-    if fd is None:
-        return None
+class CoreHooks:
+    """``afdserve.backends.host.WorkerHooks`` over a worker's slot: its cores lent while it waits,
+    a peer's lending taken back before a message to it, no spinning on cores a borrower holds."""
+
+    def __init__(self, lender: Lender | None):
+        self.lender = lender
+
+    def waiting(self):
+        return lent(self.lender)
+
+    def sending(self, role: str, index: int) -> None:
+        if self.lender is not None:
+            self.lender.wake(slot(role, index))
+
+    def spin_yield(self) -> bool:
+        return self.lender is not None and self.lender.borrowed()
+
+
+def join(fd: int, role: str, index: int, threads: int) -> CoreHooks:
+    """A worker's place on the board it inherited as ``fd``: its big kernels borrow the threads
+    others lend, and it lends its own ``threads`` on its slot while it waits (the board stays mapped
+    as long as the hooks live)."""
     board = CoreBoard.attach(fd)
     board.borrow(borrowable_threads(threads))
-    return board.lender(slot(role, index), threads)
+    return CoreHooks(board.lender(slot(role, index), threads))
 
 
 def borrowable_threads(own: int) -> int:
     """Threads a worker may borrow: the cores it may run on beyond its own threads."""
     return max(0, cpu_cores() - own)
+
+
+def stop_borrowing() -> None:
+    """This process's kernels borrow nothing from now on (no board)."""
+    if ops.available():
+        ops.ops().lend_board(torch.empty(0, dtype=torch.int32), 0)
+
+
+def lent_threads_now() -> int:
+    """The threads a big kernel of this process would borrow now (0 without a board)."""
+    return int(ops.ops().lent_threads_now()) if ops.available() else 0
+
+
+def lent_chunks() -> int:
+    """Chunks of work this process's borrowed threads have run so far (diagnostics and tests)."""
+    return int(ops.ops().lent_chunks()) if ops.available() else 0

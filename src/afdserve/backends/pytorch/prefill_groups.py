@@ -36,9 +36,11 @@ class PrefillGroup:
         return PrefillGroup(move(self.rows), move(self.slots), move(self.mask), move(self.src), move(self.dst))
 
 
-def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", window: int) -> list[PrefillGroup]:
+def plan(query_lens: np.ndarray, kv_lens: np.ndarray, tables: np.ndarray, block_size: int,
+         window: int) -> list[PrefillGroup]:
     """The groups of the pieces with ``query_lens[i]`` > 1 (their last ``query_lens[i]`` of
-    ``kv_lens[i]`` tokens are new), attending through ``window`` (0: all keys)."""
+    ``kv_lens[i]`` tokens are new, in the blocks of ``tables[i]``), attending through ``window``
+    (0: all keys)."""
     q_all = np.asarray(query_lens, dtype=np.int64)
     kv_all = np.asarray(kv_lens, dtype=np.int64)
     start_all = np.cumsum(q_all) - q_all
@@ -58,7 +60,7 @@ def plan(query_lens: list[int], kv_lens: list[int], slots_of: "SlotSource", wind
         cur.append(int(idx[j]))
         area, lq, lk = area + qj * kj, max(lq, qj), lk or kj
     groups.append(cur)
-    return [_group(np.asarray(g), q_all, kv_all, start_all, slots_of, window) for g in groups]
+    return [_group(np.asarray(g), q_all, kv_all, start_all, tables, block_size, window) for g in groups]
 
 
 def _keys(q: np.ndarray, kv: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,8 +70,8 @@ def _keys(q: np.ndarray, kv: np.ndarray, window: int) -> tuple[np.ndarray, np.nd
     return first, kv - first
 
 
-def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np.ndarray,
-           slots_of: "SlotSource", window: int) -> PrefillGroup:
+def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np.ndarray, tables: np.ndarray,
+           block_size: int, window: int) -> PrefillGroup:
     q, kv, start = q_all[ids], kv_all[ids], start_all[ids]
     first, nk = _keys(q, kv, window)
     lq, lk = int(q.max()), int(nk.max())
@@ -77,7 +79,7 @@ def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np
     rows = start[:, None] + j
     qpos = (kv - q)[:, None] + j
     kpos = first[:, None] + np.minimum(np.arange(lk)[None, :], nk[:, None] - 1)  # [P, Lk]
-    slots = slots_of(ids, kpos)
+    slots = tables[ids[:, None], kpos // block_size].astype(np.int64) * block_size + kpos % block_size
     causal = bool(np.all(q == kv) and np.all(q == lq)) and (not window or window >= lq)
     mask = None
     if not causal:
@@ -89,18 +91,3 @@ def _group(ids: np.ndarray, q_all: np.ndarray, kv_all: np.ndarray, start_all: np
     src = np.flatnonzero(real)
     return PrefillGroup(torch.from_numpy(rows), torch.from_numpy(slots), mask, torch.from_numpy(src),
                         torch.from_numpy(rows.reshape(-1)[src]))
-
-
-class SlotSource:
-    """Cache slots of given positions of given sequences, from block tables [S, B] or from
-    per-sequence slot lists."""
-
-    def __init__(self, tables: np.ndarray | None = None, block_size: int = 0,
-                 per_seq: list[torch.Tensor] | None = None):
-        self.tables, self.block_size, self.per_seq = tables, block_size, per_seq
-
-    def __call__(self, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        if self.tables is not None:
-            bs = self.block_size
-            return self.tables[ids[:, None], pos // bs].astype(np.int64) * bs + pos % bs
-        return np.stack([self.per_seq[i].cpu().numpy()[p] for i, p in zip(ids.tolist(), pos)]).astype(np.int64)

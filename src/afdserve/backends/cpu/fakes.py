@@ -21,12 +21,8 @@ def register() -> None:
         return torch.empty_like(x)
 
     @fake("linear")
-    def _(x, w, bias, n, out_dtype):
+    def _(x, w, bias, n, out_dtype, stream=False):
         return x.new_empty(x.shape[0], n, dtype=out_dtype or x.dtype)
-
-    @fake("linear_out")
-    def _(x, w, bias, n, out):
-        return None
 
     @fake("paged_attention")
     def _(q, k_cache, v_cache, block_tables, kv_lens, cu_q, block_size, window, scale, sinks):
@@ -43,3 +39,10 @@ def register() -> None:
     @fake("rope_cache")
     def _(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, eps):
         return qkv.new_empty(qkv.shape[0], heads, k_cache.shape[2])
+
+    @fake("attention_half")
+    def _(x, in_w, qkv_w, qkv_b, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_w, k_w, block_tables, kv_lens,
+          cu_q, block_size, window, scale, sinks, o_w, o_b, post_w, router_w, experts, eps):
+        logits = x.new_empty(x.shape[0], experts, dtype=torch.float32) if router_w is not None \
+            else x.new_empty(0, dtype=torch.float32)
+        return torch.empty_like(x), torch.empty_like(x), logits

@@ -36,9 +36,9 @@ constexpr int64_t kLendMinMacs = int64_t{1} << 24;
 // LM head's logits, larger than a core's L2) are written past the caches
 constexpr int64_t kStreamMinBytes = int64_t{2} << 20;
 
-// out: [M, n] with unit column stride and any row stride (a column range of a wider tensor); with
-// `stream`, float32 output blocks of a big output are written past the caches where aligned (the LM
-// head's logits: megabytes that sampling reads once, later; a write that fills no line first)
+// out: [M, n]; with `stream`, float32 output blocks of a big output are written past the caches where
+// aligned (the LM head's logits: megabytes that sampling reads once, later; a write that fills no
+// line first)
 // x W^T over a packed weight, one column block of 32 outputs at a time: x's rows packed once
 // (gemm.h), the blocks split between this process's threads and lent ones (parallel_lent)
 template <typename T>
@@ -181,13 +181,11 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
               "linear: bias must be float32 [N]");
 }
 
-// x W^T (+ bias) into out ([M, n] of x's dtype or float32, unit column stride); inputs checked
+// x W^T (+ bias) into out ([M, n] of x's dtype or float32); inputs checked
 void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                  const at::Tensor& out, bool stream) {
   const auto dt = x.scalar_type(), odt = out.scalar_type();
   TORCH_CHECK(odt == dt || odt == at::kFloat, "linear: the output is x's dtype or float32");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1
-              && out.stride(0) >= n, "linear: out must be [M, n] with unit column stride");
   if (x.size(0) == 0) return;
 #if defined(AFD_VEC)
   if (dt == at::kFloat) {
@@ -198,12 +196,6 @@ void linear_into(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
     linear_impl<at::BFloat16, at::BFloat16>(x, w, bias, n, out, stream);
   }
 #endif
-}
-
-void linear_out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                const at::Tensor& out) {
-  check_inputs(x, w, bias, n);
-  linear_into(x, w, bias, n, out, true);  // the LM head (model.linear.linear_rows)
 }
 
 void linear_argmax(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
@@ -222,11 +214,12 @@ void linear_argmax(const at::Tensor& x, const at::Tensor& w, const c10::optional
 #endif
 }
 
+// `stream`: a big float32 output (the LM head's logits) is written past the caches
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
-                  c10::optional<at::ScalarType> out_dtype) {
+                  c10::optional<at::ScalarType> out_dtype, bool stream) {
   check_inputs(x, w, bias, n);
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(out_dtype.value_or(x.scalar_type())));
-  linear_into(x, w, bias, n, out, false);
+  linear_into(x, w, bias, n, out, stream);
   return out;
 }
 
@@ -234,18 +227,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t n,
                        c10::optional<at::ScalarType> out_dtype) {
-  return linear(x, w, bias, n, out_dtype);
+  return linear(x, w, bias, n, out_dtype, false);
 }
 
 }  // namespace afd
 
 TORCH_LIBRARY_FRAGMENT(afdserve_kernels, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, ScalarType? out_dtype) -> Tensor");
-  m.def("linear_out(Tensor x, Tensor w, Tensor? bias, int n, Tensor(a!) out) -> ()");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, ScalarType? out_dtype, bool stream=False) -> Tensor");
   m.def("linear_argmax(Tensor x, Tensor w, Tensor? bias, int n, int offset, Tensor(a!) val, Tensor(b!) idx, bool merge) -> ()");
 }
 TORCH_LIBRARY_IMPL(afdserve_kernels, CPU, m) {
   m.impl("linear", &afd::linear);
-  m.impl("linear_out", &afd::linear_out);
   m.impl("linear_argmax", &afd::linear_argmax);
 }

@@ -1,0 +1,98 @@
+"""Backends of the model's hot path, chosen once per engine (``choose``) and held by its layers.
+
+* ``torch`` (``afdserve.backends.pytorch``): device-agnostic PyTorch -- what CUDA runs, and a CPU
+  without afdserve's kernels;
+* ``cpu`` (``afdserve.backends.cpu``): afdserve's C++ kernels, built once per machine.
+
+The interfaces are in ``afdserve.backends.base``; a step's context in ``afdserve.backends.step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afdserve.backends.base import AttentionBackend, LinearBackend, MoEBackend, NormBackend
+from afdserve.errors import ConfigError
+
+NAMES = ("auto", "cpu", "torch")
+
+
+@dataclass(frozen=True)
+class Backends:
+    attention: AttentionBackend
+    moe: MoEBackend
+    linear: LinearBackend
+    norm: NormBackend
+
+    def names(self) -> dict[str, str]:
+        return {"attention": self.attention.name, "moe": self.moe.name, "linear": self.linear.name,
+                "norm": self.norm.name}
+
+
+def _cpu_kernels(dtype: torch.dtype) -> dict[str, str]:
+    """Why each component's cpu backend cannot run ``dtype`` here ("" where it can)."""
+    from afdserve.backends import cpu
+
+    if not cpu.available():
+        why = f"the CPU kernels are unavailable ({cpu.unavailable_reason()})"
+        return dict.fromkeys(("attention", "moe", "linear", "norm"), why)
+    need = {"attention": ("attention_half",), "moe": ("fused_moe",), "linear": ("linear",),
+            "norm": ("rms_norm", "rope_cache")}
+    return {part: "" if all(cpu.supports(k, dtype) for k in kernels) else f"no {'/'.join(kernels)} kernel for "
+            f"{str(dtype).removeprefix('torch.')} on this CPU ({cpu.isa()})" for part, kernels in need.items()}
+
+
+def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto", *, attention: str | None = None,
+           moe: str | None = None, latent: bool = False) -> Backends:
+    """The backends of an engine on ``device`` computing in ``dtype``: ``backend`` for every component
+    ("auto": cpu where the device is the CPU and the kernels run ``dtype`` here, else torch), with
+    ``attention`` / ``moe`` overriding it for theirs. ``latent``: the model uses MLA (the torch
+    attention backend runs it). An explicit choice that cannot run raises ConfigError saying why."""
+    device = torch.device(device)
+    asked = {"attention": attention or backend, "moe": moe or backend, "linear": backend, "norm": backend}
+    for part, name in asked.items():
+        if name not in NAMES:
+            raise ConfigError(f"invalid {part} backend {name!r}: use {', '.join(NAMES)}")
+    if device.type != "cpu":
+        why = dict.fromkeys(asked, f"the device is {device}, not the CPU")
+    elif any(name != "torch" for name in asked.values()):
+        why = _cpu_kernels(dtype)  # loads (first: builds) the kernels
+    else:
+        why = dict.fromkeys(asked, "")
+    if latent:
+        why["attention"] = why["attention"] or "MLA's latent attention runs on the torch backend"
+    chosen = {}
+    for part in ("linear", "norm", "moe", "attention"):
+        name = asked[part]
+        if part == "attention" and chosen["linear"] != "cpu":  # the fused half multiplies packed weights
+            why[part] = why[part] or "the cpu attention backend needs the cpu linear backend"
+        if name == "cpu" and why[part]:
+            raise ConfigError(f"invalid {part} backend 'cpu': {why[part]}")
+        chosen[part] = "cpu" if name == "cpu" or (name == "auto" and not why[part]) else "torch"
+    return _build(chosen)
+
+
+def _build(names: dict[str, str]) -> Backends:
+    from afdserve.backends.pytorch.attention import TorchAttention
+    from afdserve.backends.pytorch.linear import TorchLinear
+    from afdserve.backends.pytorch.moe import TorchMoE
+    from afdserve.backends.pytorch.norm import TorchNorm
+
+    if "cpu" in names.values():
+        from afdserve.backends.cpu.attention import CpuAttention
+        from afdserve.backends.cpu.linear import CpuLinear
+        from afdserve.backends.cpu.moe import CpuMoE
+        from afdserve.backends.cpu.norm import CpuNorm
+    norm = CpuNorm() if names["norm"] == "cpu" else TorchNorm()
+    return Backends(attention=CpuAttention() if names["attention"] == "cpu" else TorchAttention(norm),
+                    moe=CpuMoE() if names["moe"] == "cpu" else TorchMoE(),
+                    linear=CpuLinear() if names["linear"] == "cpu" else TorchLinear(), norm=norm)
+
+
+def cpu_kernels() -> str:
+    """The CPU kernels' instruction set here ("avx512+bf16", "avx512", "avx2"; "none": unavailable)."""
+    from afdserve.backends import cpu
+
+    return cpu.isa()

@@ -1,0 +1,134 @@
+"""A step's batch as the scheduler laid it out (``StepLayout``, host arrays), the persistent buffers
+its device tensors are staged in (``StepBuffers``), and the context every layer of the step reads
+(``AttnContext``, built once per step by the attention backend's ``prepare``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The flat batch of a step: sequence i has ``query_lens[i]`` new tokens, the last of its
+    ``kv_lens[i]`` tokens after the step; its cache blocks are row i of ``block_table`` (int32
+    [S, B]; -1: given back, or past its blocks), positions ``[j * block_size, (j + 1) * block_size)``
+    in block j. Everything else is derived from these on the host, once (``of``)."""
+
+    query_lens: np.ndarray  # int64 [S]
+    kv_lens: np.ndarray  # int64 [S]
+    block_table: np.ndarray  # int32 [S, B]
+    block_size: int
+    positions: np.ndarray  # int64 [T]: each new token's position
+    slot_mapping: np.ndarray  # int64 [T]: each new token's cache slot (block * block_size + offset)
+    first_rows: np.ndarray  # int64 [S]: each sequence's first row in the flat batch
+    decode_seqs: np.ndarray  # int64 [D]: the sequences with one new token
+
+    @staticmethod
+    def of(query_lens, kv_lens, block_table: np.ndarray, block_size: int) -> "StepLayout":
+        q = np.asarray(query_lens, dtype=np.int64)
+        kv = np.asarray(kv_lens, dtype=np.int64)
+        table = np.asarray(block_table)
+        if table.dtype != np.int32 or table.ndim != 2 or table.shape[0] != q.shape[0] or q.shape != kv.shape:
+            raise ValueError(f"step layout: {q.shape[0]} query lengths, {kv.shape[0]} context lengths and an int32 "
+                             f"[{q.shape[0]}, blocks] table expected, got {table.dtype} {table.shape}")
+        if q.size and (q.min() < 1 or (kv < q).any()):
+            raise ValueError("step layout: every sequence needs a new token and a context of at least its new tokens")
+        s = q.shape[0]
+        if int(q.sum()) == s:  # a pure decode step: one token per sequence, at its last position
+            seq_of = first = np.arange(s, dtype=np.int64)
+            positions = kv - 1
+        else:
+            seq_of = np.repeat(np.arange(s, dtype=np.int64), q)
+            first = np.cumsum(q) - q
+            positions = (kv - q)[seq_of] + np.arange(int(q.sum()), dtype=np.int64) - first[seq_of]
+        slots = table[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return StepLayout(q, kv, table, block_size, positions, slots, first, np.flatnonzero(q == 1))
+
+    @staticmethod
+    def from_blocks(query_lens, kv_lens, tables: list[list[int]], block_size: int) -> "StepLayout":
+        """``of`` from per-sequence block lists (padded with -1; at least 2 columns)."""
+        arr = np.full((len(tables), max(2, max((len(t) for t in tables), default=0))), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            arr[i, : len(t)] = t
+        return StepLayout.of(query_lens, kv_lens, arr, block_size)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def num_decode(self) -> int:
+        return int(self.decode_seqs.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has one new token."""
+        return self.num_decode == self.num_seqs > 0
+
+
+class StepBuffers:
+    """Persistent buffers a step's host arrays are staged in: one host tensor per name (pinned where
+    the device is not the CPU), grown by doubling and reused every step, and its copy on the device
+    (the host tensor itself on the CPU), written with non-blocking copies. A runner keeps one set per
+    step in flight; before a set is written again, the copies of its previous step have finished."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.on_host = self.device.type == "cpu"
+        self._host: dict[str, torch.Tensor] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        """A new step: the previous step's copies out of the host buffers are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """``array``'s values on the device, in buffer ``name`` (a view of its first elements, shaped
+        like ``array``)."""
+        n = int(array.size)
+        src = torch.from_numpy(np.ascontiguousarray(array))
+        host = self._host.get(name)
+        if host is None or host.dtype != src.dtype or host.numel() < n:
+            size = max(n, 1 if host is None else 2 * host.numel())
+            host = torch.empty(size, dtype=src.dtype, pin_memory=not self.on_host and torch.cuda.is_available())
+            self._host[name] = host
+            if not self.on_host:
+                self._dev[name] = torch.empty(size, dtype=src.dtype, device=self.device)
+        view = host[:n].view(src.shape)
+        view.copy_(src)
+        if self.on_host:
+            return view
+        dev = self._dev[name][:n].view(src.shape)
+        dev.copy_(view, non_blocking=True)
+        return dev
+
+    def end(self) -> None:
+        """Every array of the step is staged: later writes wait for these copies (``begin``)."""
+        if not self.on_host and self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+@dataclass
+class AttnContext:
+    """What every layer of a step reads, built once (``AttentionBackend.prepare``, then the model adds
+    the rotary tables): tensors on the model's device, nothing read back to the host afterwards.
+    Backends add the fields their kernels read (subclasses)."""
+
+    layout: StepLayout  # the host arrays it was built from (layers read the fields below)
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    num_tokens: int
+    is_decode: bool  # every sequence has one new token
+    cos: torch.Tensor | None = None  # [T, rotary_dim] in the model's dtype
+    sin: torch.Tensor | None = None

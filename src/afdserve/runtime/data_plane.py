@@ -1,0 +1,86 @@
+"""The typed messages between attention and expert workers, over M2N (``afdserve.comm``).
+
+Every message's header carries its ``Kind`` and the layer it belongs to (step, lane, layer); its
+tensors are views of the receiver's registered slot until ``release``. Kinds:
+
+* ``EXPERT_INPUT`` (attention -> expert): one layer's MoE input of a lane's step: the hidden states
+  [n, H] and, with the attention-side gate, the top-k ids [n, k] (int32; ``num_experts``: routed to
+  another worker) and weights [n, k] float32; ``map_version``: the expert map the sender routed by.
+* ``EXPERT_OUTPUT`` (expert -> attention): the partial sums [n, H] of this worker's experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from afdserve.comm import Message, Meta
+
+
+class Kind(IntEnum):
+    EXPERT_INPUT = 1
+    EXPERT_OUTPUT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKey:
+    """Which layer of which step a message belongs to (replies are matched by it)."""
+
+    step: int
+    lane: int
+    layer: int
+
+
+@dataclass(slots=True)
+class ExpertInput:
+    key: LayerKey
+    map_version: int
+    hidden: torch.Tensor
+    ids: torch.Tensor | None  # None: the expert-side gate routes
+    weights: torch.Tensor | None
+    message: Message | None = None  # the slot it was read from (``release``)
+
+    def meta(self) -> Meta:
+        k = self.key
+        return Meta(step=k.step, microbatch=k.lane, layer=k.layer, num_tokens=int(self.hidden.shape[0]),
+                    tag=self.map_version, kind=Kind.EXPERT_INPUT)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden] if self.ids is None else [self.hidden, self.ids, self.weights]
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
+@dataclass(slots=True)
+class ExpertOutput:
+    key: LayerKey
+    partial: torch.Tensor
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        k = self.key
+        return Meta(step=k.step, microbatch=k.lane, layer=k.layer, num_tokens=int(self.partial.shape[0]),
+                    kind=Kind.EXPERT_OUTPUT)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.partial]
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
+def read(msg: Message) -> ExpertInput | ExpertOutput:
+    """The typed message a received M2N message holds (its tensors stay views of the slot)."""
+    m, t = msg.meta, msg.tensors
+    key = LayerKey(m.step, m.microbatch, m.layer)
+    if m.kind == Kind.EXPERT_INPUT and len(t) in (1, 3):
+        return ExpertInput(key, m.tag, t[0], t[1] if len(t) == 3 else None, t[2] if len(t) == 3 else None, msg)
+    if m.kind == Kind.EXPERT_OUTPUT and len(t) == 1:
+        return ExpertOutput(key, t[0], msg)
+    msg.release()
+    raise ValueError(f"message from {msg.peer!r} of kind {m.kind} with {len(t)} tensors is not a data-plane message")
