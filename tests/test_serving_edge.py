@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -191,8 +192,12 @@ def test_a_large_prompt_does_not_stall_other_streams(url):
         streams += 1
     poster.join()
     assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
-    assert result["s"] > 0.3, "the prompt was tokenized too fast to tell"
-    assert max(gaps) < 0.5, (max(gaps), result["s"], streams)
+    # tokenizing on the event loop would hold every stream back for about as long as the big request
+    # took; off the loop, the streams' gaps stay the size of a decode step. So: compare the gaps with
+    # the request's measured duration, and that with the gaps' typical size (not fixed constants)
+    typical = statistics.median(gaps)
+    assert result["s"] > 10 * typical, ("the prompt was tokenized too fast to tell", result["s"], typical)
+    assert max(gaps) < result["s"] / 2, (max(gaps), typical, result["s"], streams)
 
 
 @pytest.mark.parametrize("body,param", [
