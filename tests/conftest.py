@@ -1,3 +1,5 @@
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -6,6 +8,35 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ARCHS, make_checkpoint, make_tool_checkpoint  # noqa: E402
+
+
+def _missing_kernels() -> str | None:
+    """With AFDSERVE_REQUIRE_KERNELS=1 (CI): why the C++ kernels are not loaded although this CPU
+    supports them (x86-64 with AVX-512F, or AVX2 + FMA + F16C) and nobody switched them off
+    (AFDSERVE_KERNELS=0); None when that is fine. Without it a failed build only turns the kernel
+    tests into skips."""
+    if os.environ.get("AFDSERVE_REQUIRE_KERNELS") != "1" or os.environ.get("AFDSERVE_KERNELS") == "0":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        return None
+    if "avx512f" not in flags and not {"avx2", "fma", "f16c"} <= flags:
+        return None
+    from afdserve.kernels.build import load  # the tests' one import of where the kernels are built
+
+    state = load()
+    return None if state.ok else state.reason
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    why = _missing_kernels()
+    if why is not None:
+        pytest.exit(f"AFDSERVE_REQUIRE_KERNELS=1: this CPU supports the C++ kernels, but they are not "
+                    f"loaded ({why}); the kernel tests would only be skipped", returncode=pytest.ExitCode.TESTS_FAILED)
 
 
 @pytest.fixture(scope="session", params=ARCHS)

@@ -6,15 +6,19 @@ the same exchange across processes."""
 from __future__ import annotations
 
 import random
+import socket
 import threading
 import time
+from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from afdserve.comm import CommConfig, Communicator, Meta, PeerError
+from afdserve.comm import CommConfig, Communicator, Meta, PeerError, PeerTimeoutError
+from afdserve.comm.tcp_transport import TcpRecvChannel
 
 DTYPES = [torch.uint8, torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16]
 
@@ -169,31 +173,75 @@ def test_every_byte_arrives_in_order_torch(sc):
     _check("torch", sc)
 
 
-def test_big_messages_both_ways_do_not_deadlock_tcp():
-    """Two peers push 4 MiB messages at each other before receiving: TCP must keep draining."""
+BIDIR = CommConfig(transport="tcp", slot_bytes=4 << 20, num_slots=3, deadline_s=20)
+SOCKET_BUFFER = 64 << 10  # far below a message: the kernel cannot hold what the transport does not read
+
+
+def _small_socket_buffers(comm: Communicator, peer: str) -> None:
+    """Shrinks the pair's kernel socket buffers, so that no host's TCP buffer sizes can swallow the
+    messages and hide a transport that stops reading while it writes."""
+    comm._links.send[peer].sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    comm._links.recv[peer].sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+def push_both_ways(cfg: CommConfig, group: str) -> None:
+    """Peers a and b each send ``num_slots`` slot-sized messages to the other before receiving any:
+    neither send can complete unless the transport keeps draining what arrives while it waits to
+    write. Raises the first error of either side; nothing is tolerated, since nothing can
+    legitimately fail here: a deadlock ends in PeerTimeoutError at the deadline and must fail the
+    test. AssertionError if a side is still blocked after every deadline it had."""
     store = dist.HashStore()
-    cfg = CommConfig(transport="tcp", slot_bytes=4 << 20, num_slots=3, deadline_s=20)
     errors: list[BaseException] = []
+    both_received = threading.Barrier(2, timeout=cfg.deadline_s)
+    n = cfg.slot_bytes // 4  # float32 elements that fill a slot
 
     def side(me: str, other: str) -> None:
+        c = None
         try:
-            c = Communicator(me, store, cfg, group="bidir").connect(send_to=[other], recv_from=[other])
-            x = torch.full((1 << 20,), 1.5 if me == "a" else 2.5)
-            for _ in range(3):
+            c = Communicator(me, store, cfg, group=group).connect(send_to=[other], recv_from=[other])
+            _small_socket_buffers(c, other)
+            x = torch.full((n,), 1.5 if me == "a" else 2.5)
+            for _ in range(cfg.num_slots):
                 c.send(other, x)
-            for _ in range(3):
+            for _ in range(cfg.num_slots):
                 with c.recv(other) as msg:
-                    assert torch.equal(msg.tensors[0], torch.full((1 << 20,), 2.5 if me == "a" else 1.5))
-            c.close()
+                    assert torch.equal(msg.tensors[0], torch.full((n,), 2.5 if me == "a" else 1.5))
+            # close only once both sides have everything: a close() with credits still unread resets
+            # the connection, and the other side would lose data it has not read yet
+            both_received.wait()
         except BaseException as e:
             errors.append(e)
+            both_received.abort()  # the other side stops waiting (its BrokenBarrierError comes after)
+        finally:
+            if c is not None:
+                c.close()
 
     ts = [threading.Thread(target=side, args=("a", "b"), daemon=True),
           threading.Thread(target=side, args=("b", "a"), daemon=True)]
     for t in ts:
         t.start()
+    # every wait of a side is bounded: connect, then 2 * num_slots sends and receives and the
+    # barrier, each within a deadline; one more deadline of slack for a loaded machine
+    end = time.monotonic() + cfg.connect_timeout_s + (2 * cfg.num_slots + 2) * cfg.deadline_s
     for t in ts:
-        t.join(60)
-    assert not any(t.is_alive() for t in ts), "deadlock"
-    real = [e for e in errors if not isinstance(e, PeerError)]
-    assert not real, real
+        t.join(max(0.0, end - time.monotonic()))
+    assert not any(t.is_alive() for t in ts), "a side is still blocked after all of its deadlines"
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+
+
+def test_big_messages_both_ways_do_not_deadlock_tcp():
+    """Two peers push 4 MiB messages at each other before receiving: TCP must keep draining."""
+    push_both_ways(BIDIR, group="bidir")
+
+
+def test_a_deadlock_fails_the_both_ways_check(monkeypatch):
+    """The check above on a planted deadlock: TCP receive channels that ignore what arrives while
+    their Communicator waits to write (the bug the test is for). Both sides then block in send until
+    the deadline; push_both_ways must report that PeerTimeoutError, not swallow it."""
+    monkeypatch.setattr(TcpRecvChannel, "on_event", lambda self, events: None)
+    cfg = replace(BIDIR, deadline_s=2.0)  # the deadlock is certain: no need to wait 20 s for it
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="receiver did not take the data before the deadline"):
+        push_both_ways(cfg, group="bidir-stalled")
+    assert time.monotonic() - t0 >= cfg.deadline_s  # a send gave up at its deadline, not before

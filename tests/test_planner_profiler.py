@@ -4,10 +4,13 @@ expert parts, PipelinedRunner, Engine, the M2N library between two processes) on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import afdserve.profiling.corun as corun
 from afdserve.cli.profile import main
 from afdserve.planner import load_model_spec, load_profile, predict_local, profile_summary
 from afdserve.profiling import CacheFlusher, ProfileGrid, measure_attention, measure_corun, run_profile
@@ -17,6 +20,21 @@ from tiny_models import make_checkpoint
 TINY_GRID = ProfileGrid(batches=(1, 4), seq_lens=(8, 48), pairs_per_expert=(1, 4), experts_per_node=(3, 6),
                         msg_tokens=(1, 16), step_batches=(1, 4), dispatch_workers=(1, 2), repeats=2,
                         passes=1, transport_repeats=3, corun=False)
+
+
+CORES = len(os.sched_getaffinity(0))  # the cores this process may run on (asked of the OS, not of afdserve)
+
+
+def _solves_nnls(columns: list[list[float]], y: list[float], coef: list[float]) -> bool:
+    """Whether ``coef`` minimises the relative squared error ``sum(((A c - y) / y) ** 2)`` over
+    ``c >= 0``, as the profile's fits claim: the optimality (KKT) conditions, checked independently of
+    how the fit found its answer. The gradient vanishes along every positive coefficient and points
+    into ``c >= 0`` along every zero one (to a millionth of its scale: rounding, not a wrong fit)."""
+    a = np.column_stack([np.asarray(col, dtype=float) for col in columns]) / np.asarray(y, dtype=float)[:, None]
+    c = np.asarray(coef, dtype=float)
+    grad = a.T @ (a @ c - 1.0)
+    tol = 1e-6 * np.abs(a).sum(axis=0)
+    return bool(np.all(c >= 0) and np.all(np.where(c > 0, np.abs(grad) <= tol, grad >= -tol)))
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +47,33 @@ def test_profile_of_tiny_model(tiny: Path, tmp_path: Path) -> None:
     assert prof.model == tiny.name and not prof.estimate and "cores" in prof.device
     (att,) = prof.attention
     assert att.gpu == "cpu" and att.n_samples == 4 and att.seq_len_range == (8, 48)
-    assert att.k1_tok >= 0 and att.k1_ctx >= 0 and att.k2 > 0
+    s = prof.samples or {}
+    # every fit is the best non-negative fit of its own samples: Ta = (k1_tok + k1_ctx * s) * b + k2 ...
+    b, sl, t = (list(c) for c in zip(*s["attention"]))
+    assert len(t) == 4 and _solves_nnls([b, [x * y for x, y in zip(b, sl)], [1.0] * 4], t,
+                                        [att.k1_tok, att.k1_ctx, att.k2])
     assert att.time(4, 48) > 0
     assert sorted(e.experts_per_node for e in prof.expert) == [3, 6]
-    assert all(e.k3 >= 0 and e.k3 * 4 + e.k4 > 0 and e.n_samples == 2 for e in prof.expert)
+    for e in prof.expert:  # ... Te = k3 * pairs + k4 per number of experts a worker holds ...
+        rows = [r[1:] for r in s["expert"] if r[0] == e.experts_per_node]
+        assert e.n_samples == len(rows) == 2 and e.k3 * 4 + e.k4 > 0
+        assert _solves_nnls([[r[0] for r in rows], [1.0] * 2], [r[1] for r in rows], [e.k3, e.k4])
+    # ... one-way time = latency + bytes / bandwidth, unless the time does not grow with these sizes
+    # (the best fit has no bandwidth term): then the latency is the median one-way time
     net = prof.network
-    assert net is not None and net.latency_s >= 0 and net.bandwidth_Bps > 0
+    size, t = (list(c) for c in zip(*s["network"]))
+    assert net is not None and net.bandwidth_Bps > 0
+    flat = sum(1 / x for x in t) / sum(1 / x ** 2 for x in t)  # the best fit of the latency alone
+    if _solves_nnls([[1.0] * len(t), size], t, [flat, 0.0]):
+        assert net.latency_s == pytest.approx(float(np.median(t)))
+    else:
+        assert _solves_nnls([[1.0] * len(t), size], t, [net.latency_s, 1 / net.bandwidth_Bps])
     assert prof.wire.act_bytes == 4 and prof.wire.meta_bytes_per_token == 2 * 8 and prof.wire.dispatch == "routed"
+    b, t = (list(c) for c in zip(*s["step"]))  # ... step overhead = fixed + per token * batch
     assert prof.step_fixed_s + prof.step_per_token_s > 0
+    assert _solves_nnls([[1.0] * len(b), b], t, [prof.step_fixed_s, prof.step_per_token_s])
     rt = prof.runtime
-    assert rt is not None and rt.cores >= 1 and rt.send_s + rt.send_per_byte_s > 0 and rt.take_s > 0
-    s = prof.samples or {}
+    assert rt is not None and rt.cores == CORES and rt.send_s + rt.send_per_byte_s > 0 and rt.take_s > 0
     assert len(s["attention_workers"]) == 2 * 2 + 2 and len(s["expert"]) == 4 and len(s["step"]) == 2
     assert len(s["lm_head"]) == 2 and len(rt.lm_head_points) == 2 and rt.lm_head_time(4) > 0
     assert {"transport_oneway", "transport_send", "transport_take", "transport_wake"} <= set(s)
@@ -60,7 +94,7 @@ def test_cli_writes_profile(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFi
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "step overhead" in text
     data = json.loads(out.read_text())
-    assert data["format"] == "afdserve-planner-profile" and data["runtime"]["cores"] >= 1
+    assert data["format"] == "afdserve-planner-profile" and data["runtime"]["cores"] == CORES
     back = load_profile(out)
     assert back.runtime is not None and back.expert[0].experts_per_node == 6
     assert back.runtime.corun_attention == back.runtime.corun_expert == 1.0
@@ -78,6 +112,26 @@ def test_attention_rows_and_cache_eviction(tiny: Path) -> None:
     assert big._buf.numel() > 1
 
 
-def test_corun_factors(tiny: Path) -> None:
+def test_corun_factors(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each factor is the mean over a role's work of ``with the partner / mean(alone before, alone
+    after)``, floored at 1 (a partner cannot speed a worker up): the real work and partner
+    processes run, the timer answers with set figures, so the arithmetic and the floor can be checked."""
+    if CORES < 2:
+        pytest.skip("co-running needs two cores")
+    # per call: the attention worker's layer and LM head alone, with the partner, alone again; then
+    # the expert worker's layer the same way
+    figures = iter([1.0, 1.0, 4.0, 0.5, 3.0, 1.0,  # attention: 4 / 2 and 0.5 / 1: 1.25
+                    2.0, 1.0, 4.0])  # expert: 1 / 3, floored: 1
+    calls = []
+
+    def timer(fn, repeats, before=None):
+        if before is not None:
+            before()
+        fn()  # the real work, once
+        calls.append(fn)
+        return next(figures)
+
+    monkeypatch.setattr(corun, "median_time", timer)
     fa, fe = measure_corun(tiny, 2, CacheFlusher(enabled=False))
-    assert fa >= 1.0 and fe >= 1.0
+    assert len(calls) == 9 and calls[0:2] == calls[2:4] == calls[4:6] and calls[6] is calls[7] is calls[8]
+    assert fa == pytest.approx(1.25) and fe == 1.0  # not 2.25 (alone after ignored), 1.5 (floored per call)

@@ -14,7 +14,11 @@ from afdserve.bench.soak import kv_usage, scrape
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
+from polling import wait_until
+
 MODEL = "tiny"
+ABORTED = "afdserve_request_finish_total{reason=abort}"
+WAIT = 60.0  # bounds the waits for what should happen at once (only a failing test waits this long)
 
 
 def _server(path, opts=None, **cfg):
@@ -197,7 +201,7 @@ def test_unknown_route_and_method(url):
 
 
 def test_stream_disconnect_aborts_and_frees_kv(url):
-    _wait_idle(url)
+    before = _wait_idle(url).get(ABORTED, 0)
     body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 400, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
@@ -205,18 +209,21 @@ def test_stream_disconnect_aborts_and_frees_kv(url):
         got = [next(lines) for _ in range(4)]
         assert any(x.startswith("data:") for x in got)
         assert scrape(url)["afdserve_num_requests_in_flight"] == 1
-    m = _wait_idle(url, timeout=2.0)  # aborted at once, not after 400 tokens
-    assert m['afdserve_request_finish_total{reason=abort}'] >= 1
+    m = _wait_idle(url, timeout=WAIT)
+    assert m.get(ABORTED, 0) == before + 1  # aborted, not finished after 400 tokens
 
 
 def test_non_streaming_disconnect_aborts(url):
-    _wait_idle(url)
-    before = scrape(url).get('afdserve_request_finish_total{reason=abort}', 0)
+    before = _wait_idle(url).get(ABORTED, 0)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))  # 500 tokens take longer
-    m = _wait_idle(url, timeout=2.0)
-    assert m['afdserve_request_finish_total{reason=abort}'] == before + 1
+    m = _wait_idle(url, timeout=WAIT)
+    assert m.get(ABORTED, 0) == before + 1  # aborted, not finished after 500 tokens
+
+
+def _engine_idle(m: dict[str, float]) -> bool:
+    return m["afdserve_num_requests_running"] == m["afdserve_num_requests_waiting"] == 0
 
 
 def test_slow_reader_does_not_stall_others(url, client):
@@ -229,7 +236,8 @@ def test_slow_reader_does_not_stall_others(url, client):
         t = time.monotonic()
         quick = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0)
         assert quick.choices[0].text is not None and time.monotonic() - t < 5
-        time.sleep(1.0)  # the slow stream finishes in the engine meanwhile
+        # unread, the slow stream still finishes in the engine meanwhile
+        assert wait_until(lambda: _engine_idle(scrape(url)), WAIT, 0.05), "the unread stream held the engine back"
         text = "".join(json.loads(x[5:])["choices"][0]["text"] for x in slow.iter_lines()
                        if x.startswith("data:") and "[DONE]" not in x)
     assert text == want

@@ -18,6 +18,8 @@ from afdserve.cli.main import main as cli
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
+from polling import wait_until
+
 MODEL = "tiny"
 DEPLOYMENT = dict(num_kv_blocks=64, attention_workers=1, expert_workers=2, micro_batches=2)
 ADMIN_TOKEN = "test-admin-token"
@@ -35,7 +37,7 @@ def deployment(tiny_mixtral):
     yield url, cluster
     server.stop()
     pids = [w.pid for w in cluster.workers.values()]
-    time.sleep(0.5)
+    wait_until(lambda: not any(_alive(p) for p in pids), 60.0)  # the shutdown joins them: at once
     assert not any(_alive(p) for p in pids), "worker processes outlived the server"
     assert not stray_segments(set()), "shared-memory segments left behind"
 
