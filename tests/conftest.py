@@ -26,7 +26,7 @@ def _missing_kernels() -> str | None:
         return None
     if "avx512f" not in flags and not {"avx2", "fma", "f16c"} <= flags:
         return None
-    from afdserve.kernels.build import load  # the tests' one import of where the kernels are built
+    from afdserve.backends.cpu.build import load  # the tests' one import of where the kernels are built
 
     state = load()
     return None if state.ok else state.reason
