@@ -45,7 +45,7 @@ SILU = Activation()
 # the most tokens per thread for which ``ExpertPart`` runs every held expert densely (without the
 # fused kernel)
 DENSE_TOKENS_PER_THREAD = 16
-# the fused MoE kernel runs wherever it is built (False: the PyTorch paths; benchmarks/linear_kernels.py)
+# the fused MoE kernel runs wherever it is built (False: the PyTorch paths)
 USE_FUSED_KERNEL = True
 
 
@@ -172,8 +172,8 @@ class ExpertPart(nn.Module):
         experts' GEMMs memory-bound: computing all held experts then costs about what reading their
         weights costs, in two GEMM calls instead of two per expert, with no sorting, gathering or
         scattering of tokens. Pays while the rows stay within what the cores compute in the time
-        the weights stream in (``DENSE_TOKENS_PER_THREAD`` per thread, measured by
-        ``benchmarks/linear_kernels.py``) and the batch is expected to touch at least half of the
+        the weights stream in (``DENSE_TOKENS_PER_THREAD`` per thread, measured on the demo
+        model's expert layers) and the batch is expected to touch at least half of the
         experts (uniform routing), so that little of the weight read is wasted."""
         if tokens > DENSE_TOKENS_PER_THREAD * torch.get_num_threads():
             return False
@@ -201,7 +201,8 @@ class ExpertPart(nn.Module):
     def _packed_swiglu(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``grouped_swiglu`` through each expert's packed weights (CPU, bf16: see ``model.linear``):
         one call per projection of each expert that has rows. On this path oneDNN's packed GEMM
-        beats ``torch._grouped_mm`` by more than the loop costs (``benchmarks/linear_kernels.py``)."""
+        beats ``torch._grouped_mm`` by more than the loop costs (measured on the demo model's expert
+        layers)."""
         parts = []
         for j, rows in enumerate(x.split(counts.tolist())):
             if rows.shape[0] == 0:
