@@ -38,7 +38,7 @@ def block_slots(tables: torch.Tensor, block_size: int) -> torch.Tensor:
     [..., B * block_size] int64."""
     t = tables.to(torch.int64)[..., None]
     out = t * block_size + torch.arange(block_size, device=t.device)
-    # masked_fill_, not torch.where: where broadcasting the mask is much slower on the CPU (step_metadata.py)
+    # masked_fill_, not torch.where: where broadcasting the mask is much slower on the CPU
     return out.masked_fill_((t < 0).expand_as(out), -1).flatten(-2)
 
 

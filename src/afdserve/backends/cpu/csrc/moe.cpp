@@ -56,8 +56,8 @@ inline void store_packed(uint32_t* group, int64_t col, int r, V16 v) {
 }
 
 // fewer routed pairs than this do not borrow lent threads. With vdpbf16ps a decode-sized layer is a
-// few hundred microseconds, and borrowing for decode rounds made decode steps slower in
-// benchmarks/disagg_phases.py (with slices and with chunks alike); where bfloat16 is widened to
+// few hundred microseconds, and borrowing for decode rounds made decode steps slower in paired
+// runs with and without lending (with slices and with chunks alike); where bfloat16 is widened to
 // float32 (AVX2) the same layer takes milliseconds and a borrowed thread paid from a decode lane of
 // 32 tokens on (benchmarks/step_trace.py)
 constexpr int64_t kLendMinPairs = kHaveAvx512 && kHaveAvx512Bf16 ? 512 : 32;
