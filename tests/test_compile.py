@@ -19,6 +19,7 @@ def generate(path, **kwargs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.torch_backend
 def test_compiled_decode_matches_transformers_without_recompiling(tiny_model):
     """float32 greedy tokens as transformers'; one compilation serves every batch size but 1
     (which dynamo specializes) and every layer; no graph breaks."""

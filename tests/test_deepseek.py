@@ -56,6 +56,7 @@ def _generate(llm, ps):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)]
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("name", list(MODELS))
 def test_colocated_matches_transformers(models, references, name):
     ps, ref = references
@@ -68,7 +69,7 @@ def test_colocated_matches_transformers(models, references, name):
 
 
 @pytest.mark.parametrize("name", DISAGG)
-@pytest.mark.parametrize("gate", ["attention", "expert"])
+@pytest.mark.parametrize("gate", [pytest.param("attention", marks=pytest.mark.torch_backend), "expert"])
 def test_disaggregated_matches_transformers(models, references, name, gate):
     ps, ref = references
     with LLM(str(models[name]), num_kv_blocks=64, attention_workers=2, expert_workers=2, micro_batches=2,
@@ -82,6 +83,7 @@ def test_disaggregated_matches_transformers(models, references, name, gate):
     assert sum(sum(s.tokens_per_expert[l]) for s in stats.values() for l in cfg.moe_layers) > 0
 
 
+@pytest.mark.torch_backend
 def test_prefill_and_absorbed_decode_logits(models):
     """Prefill (expanded latents) and decode (absorbed W_UK / W_UV) logits equal transformers'."""
     import transformers as tf

@@ -58,6 +58,7 @@ def test_dense_layer_rule_matches_transformers(arch, step, only):
     assert ours.dense_intermediate_size == (24 if not all(hf_moe) else 0)
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_colocated_matches_transformers(models, references, arch):
     ps, ref = references

@@ -19,6 +19,7 @@ CONFIGS = [
     (1, 3, 2, "attention", [3, 2, 1]),
     (2, 1, 3, "attention", None),
 ]
+TORCH_BACKEND = {(1, 2, 2, "attention", (1, 5))}  # run on the torch backends too (scripts/test.sh)
 
 
 def _prompts(seed=0):
@@ -36,8 +37,9 @@ def references(tiny_model):
     return path, ps, colocated
 
 
-@pytest.mark.parametrize("n_a,n_e,m,gate,split", CONFIGS,
-                         ids=[f"a{a}-e{e}-m{m}-{g}" + ("-" + "_".join(map(str, s)) if s else "") for a, e, m, g, s in CONFIGS])
+@pytest.mark.parametrize("n_a,n_e,m,gate,split", [
+    pytest.param(*c, marks=[pytest.mark.torch_backend] if (*c[:4], tuple(c[4] or ())) in TORCH_BACKEND else [],
+                 id=f"a{c[0]}-e{c[1]}-m{c[2]}-{c[3]}" + ("-" + "_".join(map(str, c[4])) if c[4] else "")) for c in CONFIGS])
 def test_disaggregated_matches_colocated(references, n_a, n_e, m, gate, split):
     path, ps, colocated = references
     with LLM(str(path), num_kv_blocks=64, attention_workers=n_a, expert_workers=n_e, micro_batches=m, gate=gate,

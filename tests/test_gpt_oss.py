@@ -40,6 +40,7 @@ def test_config(gpt_oss):
     assert cfg.attention_sinks and cfg.router_bias and cfg.expert_bias and cfg.o_proj_bias
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("budget,block_size", [(2048, 16), (7, 4)])  # whole prefills; chunked prefills
 def test_matches_transformers(gpt_oss, budget, block_size):
     path, ps, ref = gpt_oss
@@ -48,7 +49,7 @@ def test_matches_transformers(gpt_oss, budget, block_size):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
-@pytest.mark.parametrize("gate", ["attention", "expert"])
+@pytest.mark.parametrize("gate", [pytest.param("attention", marks=pytest.mark.torch_backend), "expert"])
 def test_disaggregated_matches_transformers(gpt_oss, gate):
     path, ps, ref = gpt_oss
     with LLM(str(path), num_kv_blocks=64, attention_workers=2, expert_workers=2, micro_batches=2, gate=gate,

@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
@@ -11,6 +12,8 @@ from afdserve.config import EngineConfig
 from afdserve.backends.step import StepLayout
 from afdserve.engine.runner import ModelInput
 from tiny_models import hf_greedy
+
+pytestmark = pytest.mark.torch_backend  # run on the torch backends too (scripts/test.sh)
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 

@@ -20,6 +20,7 @@ def model(request, tmp_path_factory):
     return make_checkpoint(path, "mixtral", sliding_window=8)
 
 
+@pytest.mark.torch_backend
 def test_cached_prefixes_give_the_uncached_outputs(model, tmp_path):
     rng = random.Random(5)
     bases = [[rng.randrange(3, 256) for _ in range(33)] for _ in range(3)]

@@ -108,6 +108,7 @@ def llama3_qwen3(tmp_path_factory):
     return path, ps, hf_greedy(path, ps, 32)
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("arch,name,old_style", CHECKPOINTS, ids=[f"{a}-{n}" + ("-old" if o else "")
                                                                     for a, n, o in CHECKPOINTS])
 def test_scaled_rope_matches_transformers(tmp_path, arch, name, old_style):

@@ -34,6 +34,7 @@ def _hf_logprobs(hf, ids):
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
 
 
+@pytest.mark.torch_backend
 def test_logprobs_and_prompt_logprobs_equal_transformers(llm, hf):
     ps = _prompts()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=3)

@@ -54,6 +54,7 @@ def _live_pids(cluster):
     return {os.getpid()} | {w.pid for w in cluster.workers.values()}
 
 
+@pytest.mark.torch_backend
 def test_greedy_tokens_equal_offline_generate(tiny_mixtral, deployment):
     url, _ = deployment
     with LLM(str(tiny_mixtral), **DEPLOYMENT) as llm:

@@ -65,6 +65,7 @@ def test_config_windows():
     assert typed.sliding_windows == (16,) * 4 and typed.kv_window == 16
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("budget,block_size", [(2048, 16), (7, 4)])  # whole prefills; chunked, many frees
 def test_windowed_matches_transformers(windowed, budget, block_size):
     arch, path, ps, ref = windowed
@@ -135,7 +136,7 @@ def windowed_mixtral(tmp_path_factory):
     return path, ps, hf_greedy(path, ps, 32)
 
 
-@pytest.mark.parametrize("gate", ["attention", "expert"])
+@pytest.mark.parametrize("gate", [pytest.param("attention", marks=pytest.mark.torch_backend), "expert"])
 def test_windowed_disaggregated(windowed_mixtral, gate):
     """Every attention worker gives back its sequences' old blocks; chunked prefills split across
     micro-batches attend through the window too."""
