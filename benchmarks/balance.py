@@ -14,7 +14,8 @@ both are measured by the same processes within seconds of each other.
 Reports decode throughput, the max/mean load ratio of the expert workers (token-expert pairs
 computed), and whether greedy outputs are identical.
 
-    python benchmarks/balance.py [--json out/balance.json] [--plot out/balance.png] [--cluster ray [--ray-address A]]
+    python benchmarks/balance.py [--json out/balance.json] [--plot out/balance.png] [--trace out/balance_trace.json]
+        [--no-lend-idle-cores] [--cluster ray [--ray-address A]]
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def layer_loads(llm) -> list[list[int]]:
 
 
 def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, rounds: int, micro_batches: int,
-            cluster: str = "local") -> dict:
+            cluster: str = "local", trace: str | None = None, lend: bool = True) -> dict:
     """One deployment (1 attention + 2 expert workers) switched live between the contiguous
     placement (no replicas, 4 slots a worker) and the JANUS plan of the measured load (``slots``
     a worker, hot experts replicated), ``rounds`` times each, alternating: both placements see
@@ -74,7 +75,9 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(prompt_len)]} for _ in range(batch)]
     kw = dict(expert_workers=2, micro_batches=micro_batches, num_threads=1, max_num_seqs=batch,
-              max_num_batched_tokens=batch * (prompt_len + 1), kv_cache_gb=1.0, cluster=cluster)
+              max_num_batched_tokens=batch * (prompt_len + 1), kv_cache_gb=1.0, cluster=cluster, trace=trace,
+              lend_idle_cores=lend)
+    windows: dict[str, list[tuple[float, float]]] = {}  # per placement: its decode windows (epoch us)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     with LLM(str(path), **kw) as llm:
         llm.generate(prompts, greedy(4))  # warm-up; records the expert load
@@ -89,9 +92,10 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
                 t0 = time.perf_counter()
                 llm.generate(prompts, greedy(1))
                 t1 = time.perf_counter() - t0
-                t0 = time.perf_counter()
+                t0, w0 = time.perf_counter(), time.time_ns() / 1e3
                 outs = llm.generate(prompts, greedy(tokens))
                 tn = time.perf_counter() - t0
+                windows.setdefault(name, []).append((w0, time.time_ns() / 1e3))
                 per_layer = [[a - b for a, b in zip(wa, wb)] for wa, wb in zip(layer_loads(llm), before)]
                 loads = [sum(w) for w in per_layer]
                 tbt = (tn - t1) / (tokens - 1)
@@ -108,7 +112,26 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
                          placement_layer0=[list(placements[name].layers[0].experts_on(w)) for w in range(2)],
                          all_outputs=[x["outputs"] for x in rs])
     out["snapshot"] = snapshot.to_json() if snapshot else None
+    if trace:  # written when the deployment shut down
+        out["trace"] = busy_in_windows(trace, windows)
     return out
+
+
+def busy_in_windows(trace: str, windows: dict[str, list[tuple[float, float]]]) -> dict:
+    """Per placement and worker, from the deployment's trace: the fraction of that placement's
+    generate windows each worker spent in its compute spans (experts: "expert"; attention:
+    "attention") and, for the attention worker, blocked on expert replies ("wait")."""
+    from afdserve.runtime.trace_plot import load
+
+    spans = load(trace)
+    res = {}
+    for name, wins in windows.items():
+        total = sum(b - a for a, b in wins)
+        inside = lambda s: any(a <= s["ts"] < b for a, b in wins)  # noqa: E731
+        res[name] = {worker: {kind: round(sum(s["dur"] for s in evs if s["name"] == kind and inside(s)) / total, 3)
+                              for kind in ("attention", "expert", "wait") if any(s["name"] == kind for s in evs)}
+                     for worker, evs in spans.items()}
+    return res
 
 
 def main() -> None:
@@ -129,6 +152,9 @@ def main() -> None:
     ap.add_argument("--cluster", default="local", choices=["local", "ray"],
                     help="workers as local processes or Ray actors (docs/ray.md)")
     ap.add_argument("--ray-address", default=None, help="--cluster ray: the Ray cluster to join")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="trace the deployment into PATH and report each worker's busy fraction per placement")
+    ap.add_argument("--no-lend-idle-cores", action="store_true", help="workers do not lend their idle cores")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cluster == "ray":
@@ -137,7 +163,7 @@ def main() -> None:
         ray.init(address=args.ray_address)  # once: both deployments join this connection
     path = skewed_checkpoint(Path(args.model_dir))
     both = measure(path, args.batch, args.tokens, args.prompt_len, args.slots, args.rounds, args.micro_batches,
-                   args.cluster)
+                   args.cluster, args.trace, not args.no_lend_idle_cores)
     no, rep = both["no_replicas"], both["replicas"]
     first = no["all_outputs"][0]
     res = {"throughput_no_replicas": no["decode_tok_s"], "throughput_replicas": rep["decode_tok_s"],
@@ -149,7 +175,8 @@ def main() -> None:
            "worker_loads_no_replicas": no["worker_loads"], "worker_loads_replicas": rep["worker_loads"],
            "placement_layer0_replicas": rep["placement_layer0"],
            "worker_layer_loads_no_replicas": no["worker_layer_loads"],
-           "worker_layer_loads_replicas": rep["worker_layer_loads"], "batch": args.batch, "tokens": args.tokens}
+           "worker_layer_loads_replicas": rep["worker_layer_loads"], "batch": args.batch, "tokens": args.tokens,
+           "lend_idle_cores": not args.no_lend_idle_cores, "busy_fractions": both.get("trace")}
     print(f"{'':<14} {'decode tok/s':>12} {'TBT ms':>8} {'max/mean load':>14}  worker loads (pairs)")
     for name, r in (("no replicas", no), ("replicas", rep)):
         print(f"{name:<14} {r['decode_tok_s']:>12.1f} {r['tbt_ms']:>8.2f} {r['max_mean_load']:>14.2f}  {r['worker_loads']}")
@@ -160,6 +187,8 @@ def main() -> None:
           f"median {res['round_ratio_median']:.2f}x, replicas faster in {sum(r > 1 for r in ratios)}/{len(ratios)}; "
           f"greedy outputs identical: {res['outputs_identical']}")
     print(f"replica placement (layer 0, per worker): {rep['placement_layer0']}")
+    for name, workers in (both.get("trace") or {}).items():
+        print(f"busy fractions, {name}: " + "; ".join(f"{w} {kinds}" for w, kinds in sorted(workers.items())))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)

@@ -69,7 +69,7 @@ def test_colocated_matches_transformers(models, references, name):
 
 
 @pytest.mark.parametrize("name", DISAGG)
-@pytest.mark.parametrize("gate", [pytest.param("attention", marks=pytest.mark.torch_backend), "expert"])
+@pytest.mark.parametrize("gate", ["attention", "expert"])
 def test_disaggregated_matches_transformers(models, references, name, gate):
     ps, ref = references
     with LLM(str(models[name]), num_kv_blocks=64, attention_workers=2, expert_workers=2, micro_batches=2,
