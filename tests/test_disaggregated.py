@@ -19,7 +19,8 @@ CONFIGS = [
     (1, 3, 2, "attention", [3, 2, 1]),
     (2, 1, 3, "attention", None),
 ]
-TORCH_BACKEND = {(1, 2, 2, "attention", (1, 5))}  # run on the torch backends too (scripts/test.sh)
+# run on the torch backends too (scripts/test.sh): both gates, one and two attention workers
+TORCH_BACKEND = {(1, 2, 2, "attention", (1, 5)), (2, 2, 1, "expert", (4, 2))}
 
 
 def _prompts(seed=0):

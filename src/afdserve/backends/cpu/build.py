@@ -7,9 +7,9 @@ A later process loads the built library directly (no compiler run). ``scripts/se
 (``python -m afdserve.backends.cpu``), so the first engine does not wait for the compiler.
 
 The kernels need AVX-512 (and AVX512-BF16 for bfloat16 GEMMs), or AVX2 with FMA and F16C;
-``supports(kernel, tensor)`` says which run here. Anything that goes wrong (no compiler, no ninja)
-leaves the kernels unavailable, with the reason in ``load().reason``; afdserve then runs its
-PyTorch paths. ``AFDSERVE_KERNELS=0`` switches them off. Builds are serialized by a lock file
+``afdserve.backends.cpu.supports(kernel, dtype)`` says which run here. Anything that goes wrong (no
+compiler, no ninja) leaves the kernels unavailable, with the reason in ``load().reason``; the torch
+backends serve then (``afdserve.backends.choose``). ``AFDSERVE_KERNELS=0`` switches them off. Builds are serialized by a lock file
 beside the build folder, so a build killed midway (which leaves the extension builder's own lock
 behind) does not keep the next one waiting.
 """
@@ -115,9 +115,9 @@ def load(build: bool = True) -> Loaded:
             lib = _compile(directory)
         else:
             torch.ops.load_library(str(lib))
-    except Exception as e:  # no compiler, ninja, headers...: the PyTorch paths serve
+    except Exception as e:  # no compiler, ninja, headers...: the torch backends serve
         _state = Loaded(False, f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-        warnings.warn(f"afdserve kernels unavailable, using PyTorch paths: {_state.reason}", RuntimeWarning,
+        warnings.warn(f"afdserve kernels unavailable, using the torch backends: {_state.reason}", RuntimeWarning,
                       stacklevel=2)
         return _state
     from afdserve.backends.cpu import fakes
@@ -135,5 +135,5 @@ def main() -> int:
         runs = [f"{k} ({', '.join(str(d).removeprefix('torch.') for d in DTYPES if supports(k, d))})" for k in KERNELS]
         print(f"afdserve: kernels ready ({state.path}): {'; '.join(runs)}")
     else:
-        print(f"afdserve: kernels unavailable ({state.reason}); the PyTorch paths will serve")
+        print(f"afdserve: kernels unavailable ({state.reason}); the torch backends will serve")
     return 0

@@ -1,4 +1,4 @@
-// The attention half of a layer in one call (afdserve.model.attention.AttentionPart.fused): the
+// The attention half of a layer in one call (the cpu attention backend: afdserve.backends.cpu.attention): the
 // kernels of layers.cpp, linear.cpp and attention.cpp in the order the module runs them, called
 // from C++, so a step pays one operator call per layer instead of one per kernel (and none of the
 // Python between them):
@@ -8,7 +8,7 @@
 //   post_w); and the router's logits y W_r^T in x's dtype, widened to float32 (when router_w is given;
 //   an empty tensor otherwise), the rounding of `linear(y, W_r).float()`.
 //
-// Weights are the packed copies of afdserve.kernels.linear.pack; biases float32.
+// Weights are the packed copies of afdserve.backends.cpu.ops.pack; biases float32.
 #include "calls.h"
 #include "vec.h"
 

@@ -1,6 +1,6 @@
 // The GEMM micro-kernel of the CPU kernels: rows of activations times a packed weight matrix.
 //
-// Weights are packed once (afdserve.kernels.moe._blocks) into column blocks of NB = 32 outputs:
+// Weights are packed once (afdserve.backends.cpu.ops.blocks) into column blocks of NB = 32 outputs:
 //   bfloat16: [N/32][K/2][32][2]  (consecutive k in pairs: the operands of vdpbf16ps)
 //   float32:  [N/32][K][32]
 // A unit is 4 bytes of one row's input: a pair of bfloat16 k, or one float32 k. Activations enter

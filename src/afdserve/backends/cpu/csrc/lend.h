@@ -1,4 +1,4 @@
-// Threads lent by idle worker processes of this machine (afdserve.runtime.core_board).
+// Threads lent by idle worker processes of this machine (afdserve.backends.cpu.cores).
 //
 // A board in shared memory holds, per lender slot, the threads its owner lends while it waits (0
 // while it computes) and which process holds them. A big kernel splits its work into chunks of

@@ -176,7 +176,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (dt == at::kFloat || x.size(1) % 2 == 0),
               "linear: x must be contiguous [M, K] (K even for bfloat16)");
   TORCH_CHECK(w.scalar_type() == dt && w.is_contiguous() && w.size(0) * NB >= n && n > w.size(0) * NB - NB
-              && w.numel() == w.size(0) * x.size(1) * NB, "linear: w must be x's packed weight (afdserve.kernels.linear.pack)");
+              && w.numel() == w.size(0) * x.size(1) * NB, "linear: w must be x's packed weight (afdserve.backends.cpu.ops.pack)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous()),
               "linear: bias must be float32 [N]");
 }

@@ -1,7 +1,7 @@
 // Fused MoE experts for the CPU: every routed (token, expert) pair of a layer in one call, with no
 // loop over experts on the Python side and no gathered copies of the tokens.
 //
-// Weights are packed once (afdserve.kernels.moe.pack_*) into column blocks of 32 outputs:
+// Weights are packed once (afdserve.backends.cpu.ops.pack_gate_up, pack_down) into column blocks of 32 outputs:
 //   bfloat16: [E][N/32][K/2][32][2]  (consecutive k in pairs: the operands of vdpbf16ps)
 //   float32:  [E][N/32][K][32]
 // The gate/up matrix [2I, K] of an expert is packed with its rows reordered so that block b holds
@@ -212,7 +212,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tenso
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "fused_moe: x must be [T, even H], contiguous");
   TORCH_CHECK(w13.scalar_type() == x.scalar_type() && w2.scalar_type() == x.scalar_type(),
               "fused_moe: weights must have x's dtype");
-  TORCH_CHECK(w13.dim() == 5 || w13.dim() == 4, "fused_moe: w13 must be packed (afdserve.kernels.moe.pack_gate_up)");
+  TORCH_CHECK(w13.dim() == 5 || w13.dim() == 4, "fused_moe: w13 must be packed (afdserve.backends.cpu.ops.pack_gate_up)");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous() && w13.size(0) == w2.size(0), "fused_moe: bad packed weights");
   TORCH_CHECK(w13.size(1) * 16 >= inter && w2.size(1) * NB >= x.size(1), "fused_moe: packed shapes do not match");
   TORCH_CHECK(w13.numel() == w13.size(0) * w13.size(1) * x.size(1) * NB, "fused_moe: w13 does not match x's width");

@@ -4,7 +4,7 @@
 // The kernels are compiled for the machine that builds them (-march=native). With AVX-512 a V16 is
 // one __m512; with AVX2, FMA and F16C (AFD_AVX2) it is a pair of __m256 halves, and the kernels
 // written with these helpers (the GEMMs, the fused MoE, the norms) run too. Without either they are
-// not built at all: afdserve then keeps its PyTorch paths (ops.cpp: supported).
+// not built at all: the torch backends serve then (ops.cpp: supported).
 #pragma once
 
 #include <ATen/ATen.h>
