@@ -10,7 +10,7 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.balance.placement import LayerPlacement, Placement
 from afdserve.runtime.expert_map import ExpertMap
-from afdserve.runtime.pipeline import renormalized_weights
+from afdserve.runtime.dispatch import renormalized_weights
 
 
 def _run_through_kill(llm, prompts, params, victim):

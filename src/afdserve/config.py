@@ -98,6 +98,11 @@ class EngineConfig:
     comm_transport: str = "auto"  # M2N transport between workers: auto | shm | tcp | torch
     comm_timeout_ms: float = 2000.0  # deadline of a wait for a peer (per 256 tokens in flight)
     on_expert_loss: str = "wait"  # while a lost expert worker is replaced: "wait" for it, or "drop" its experts
+    # the attention-side gate's dispatch (afdserve.runtime.dispatch): each expert worker's slot holds
+    # capacity_factor x the tokens it gets under uniform routing (None: every token, outputs unchanged);
+    # rows beyond it go in a "second-pass" round or "drop" their pairs on that worker (counted)
+    expert_capacity_factor: float | None = None
+    on_expert_overflow: str = "second-pass"
     # local cluster on the CPU: a worker that waits for its peers lends its cores to their kernels
     # (the cpu backend's hooks: afdserve.backends.host)
     lend_idle_cores: bool = True
@@ -150,6 +155,12 @@ class EngineConfig:
         check("comm_timeout_ms", isinstance(self.comm_timeout_ms, (int, float)) and self.comm_timeout_ms > 0,
               "must be > 0")
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
+        f = self.expert_capacity_factor
+        check("expert_capacity_factor", f is None or (isinstance(f, (int, float)) and not isinstance(f, bool)
+              and 0 < f < float("inf")), "must be a number > 0 (or unset: no limit)")
+        check("expert_capacity_factor", f is None or self.gate == "attention",
+              "applies to the attention-side gate's dispatch; with gate='expert' every expert worker gets every token")
+        check("on_expert_overflow", self.on_expert_overflow in ("drop", "second-pass"), "use 'drop' or 'second-pass'")
         check("lend_idle_cores", isinstance(self.lend_idle_cores, bool), "must be true or false")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")

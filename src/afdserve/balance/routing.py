@@ -147,6 +147,62 @@ def _split_by_shares(flat_ids: np.ndarray, counts: np.ndarray, table: ReplicaTab
     return out
 
 
+@dataclass(frozen=True)
+class DeviceTable:
+    """A layer's :class:`ReplicaTable` as tensors on one device (for :func:`route_replicas_device`)."""
+
+    first: torch.Tensor  # int64 [E]
+    single: torch.Tensor  # bool [E]
+    num_replicas: torch.Tensor  # int64 [E]
+    padded: torch.Tensor  # int64 [E, R]
+    multi: int  # how many experts have more than one replica
+    num_workers: int
+
+    @staticmethod
+    def of(lp: LayerPlacement, device: torch.device) -> "DeviceTable":
+        key = f"device_table:{device}"
+        table = lp._cache.get(key)
+        if table is None:
+            t = ReplicaTable.of(lp)
+            table = DeviceTable(*(torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                                  for a in (t.first, t.single, t.num_replicas, t.padded)),
+                                multi=int((~t.single).sum()), num_workers=t.num_workers)
+            lp._cache[key] = table
+        return table
+
+
+def route_replicas_device(topk_ids: torch.Tensor, placement_for_layer: LayerPlacement) -> torch.Tensor:
+    """:func:`route_replicas` with the ``"activated"`` policy, computed where ``topk_ids`` live by
+    tensor ops alone (no host read: the ids, counts and choices stay on the device). The greedy
+    choice is the same, step for step: the replicated experts are visited in the same order (all of
+    them, a fixed number of steps; those the batch does not activate change nothing), each taking
+    the replica with the smallest key, the lowest worker on ties."""
+    t = DeviceTable.of(placement_for_layer, topk_ids.device)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_experts = t.first.numel()
+    # index_add_ rather than bincount: CUDA's bincount reads the largest id back to the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    if t.multi == 0:
+        return t.first[flat].view(topk_ids.shape)
+    scale = flat.numel() + 1  # activations dominate, tokens break ties
+    inc = torch.where(counts > 0, counts + scale, 0)
+    key = torch.zeros(t.num_workers, dtype=torch.int64, device=flat.device)
+    key = key.index_add(0, t.first, torch.where(t.single, inc, 0))
+    # the visiting order: fewest replicas first, then most tokens, then lowest id (one sort key)
+    ids = torch.arange(num_experts, device=flat.device)
+    order_key = (t.num_replicas * scale + (scale - 1 - counts)) * num_experts + ids
+    order_key = torch.where(t.single, torch.iinfo(torch.int64).max, order_key)
+    visit = torch.argsort(order_key)[: t.multi]
+    choice = t.first.clone()
+    for i in range(t.multi):
+        e = visit[i]
+        reps = t.padded[e]
+        w = reps[torch.argmin(key[reps])]
+        key = key.index_add(0, w.view(1), inc[e].view(1))
+        choice = choice.index_put((e.view(1),), w.view(1))
+    return choice[flat].view(topk_ids.shape)
+
+
 def activated_per_worker(topk_ids: torch.Tensor, workers: torch.Tensor, num_workers: int, num_experts: int) -> torch.Tensor:
     """int64 [N]: distinct experts each worker runs for a batch routed as ``workers`` (same shape)."""
     pairs = torch.unique(workers.reshape(-1).to(torch.int64) * num_experts + topk_ids.reshape(-1).to(torch.int64))

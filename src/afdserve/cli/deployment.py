@@ -58,6 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="while a lost expert worker is replaced: wait for it (outputs unchanged; tokens of "
                         "replicated experts go to a replica meanwhile), or drop its experts (top-(K-1) routing "
                         "over the rest, counted in /metrics)")
+    d.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
+                   help="attention-side gate: each expert worker's slot per micro-batch holds F x the tokens it "
+                        "gets when routing is uniform (default: every token; outputs never change)")
+    d.add_argument("--on-expert-overflow", default="second-pass", choices=["second-pass", "drop"],
+                   help="tokens beyond an expert worker's capacity: sent in a second round (outputs unchanged) "
+                        "or dropped for that worker's experts (top-k weights rescaled over the rest, counted in "
+                        "/metrics)")
     d.add_argument("--no-lend-idle-cores", action="store_true",
                    help="local cluster: do not let expert workers borrow the cores of attention workers that wait "
                         "for their replies (by default they do, a slice of a MoE layer at a time)")
@@ -89,6 +96,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),
               on_expert_loss=getattr(args, "on_expert_loss", "wait"),
+              expert_capacity_factor=getattr(args, "expert_capacity_factor", None),
+              on_expert_overflow=getattr(args, "on_expert_overflow", "second-pass"),
               lend_idle_cores=not getattr(args, "no_lend_idle_cores", False),
               trace=args.trace, deployment=args.deployment, cluster=args.cluster, ray_address=args.ray_address,
               expert_split=[int(x) for x in args.expert_split.split(",")] if args.expert_split else None)

@@ -43,8 +43,8 @@ else:  # pragma: no cover
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ROLES = ("attention", "expert")
 DEFAULT_RESOURCES = {"attention": {"attention_node": 0.001}, "expert": {"expert_node": 0.001}}
-_TOP_KEYS = {"micro_batches", "gate", "strategy", "comm_transport", "on_expert_loss", "placement_timeout_s", "plan",
-             *ROLES}
+_TOP_KEYS = {"micro_batches", "gate", "strategy", "comm_transport", "on_expert_loss", "expert_capacity_factor",
+             "on_expert_overflow", "placement_timeout_s", "plan", *ROLES}
 _ROLE_KEYS = {"workers", "num_cpus", "threads", "device", "resources", "labels"}
 
 
@@ -76,6 +76,8 @@ class DeploymentSpec:
     strategy: str = "PACK"
     comm_transport: str | None = None  # None: leave the engine's (auto: shm within a node, TCP across)
     on_expert_loss: str | None = None  # None: leave the engine's ("wait" | "drop")
+    expert_capacity_factor: float | None = None  # None: leave the engine's (afdserve.runtime.dispatch)
+    on_expert_overflow: str | None = None  # None: leave the engine's ("second-pass" | "drop")
     placement_timeout_s: float = 120.0  # how long Ray may take to reserve every bundle
     plan: dict[str, Any] = field(default_factory=dict)  # the planner's prediction, for the record (not used)
     source: str = "<spec>"  # where it was read from, for messages
@@ -124,6 +126,11 @@ class DeploymentSpec:
             raise bad("comm_transport", self.comm_transport, "use auto, shm, tcp or torch")
         if self.on_expert_loss is not None and self.on_expert_loss not in ("wait", "drop"):
             raise bad("on_expert_loss", self.on_expert_loss, "use 'wait' or 'drop'")
+        f = self.expert_capacity_factor
+        if f is not None and (not is_num(f) or not 0 < f < float("inf")):
+            raise bad("expert_capacity_factor", f, "must be a number > 0")
+        if self.on_expert_overflow is not None and self.on_expert_overflow not in ("drop", "second-pass"):
+            raise bad("on_expert_overflow", self.on_expert_overflow, "use 'drop' or 'second-pass'")
         if not is_num(self.placement_timeout_s) or self.placement_timeout_s <= 0:
             raise bad("placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")
         if self.expert_split is not None and (
@@ -140,8 +147,9 @@ class DeploymentSpec:
                                    expert_split=list(self.expert_split) if self.expert_split else None)
         if self.comm_transport is not None:
             out["comm_transport"] = self.comm_transport
-        if self.on_expert_loss is not None:
-            out["on_expert_loss"] = self.on_expert_loss
+        for name in ("on_expert_loss", "expert_capacity_factor", "on_expert_overflow"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     def role(self, name: str) -> RoleSpec:
@@ -197,6 +205,8 @@ class DeploymentSpec:
         return cls(attention=roles["attention"], expert=roles["expert"], micro_batches=data.get("micro_batches", 1),
                    gate=data.get("gate", "attention"), expert_split=split, strategy=data.get("strategy", "PACK"),
                    comm_transport=data.get("comm_transport"), on_expert_loss=data.get("on_expert_loss"),
+                   expert_capacity_factor=data.get("expert_capacity_factor"),
+                   on_expert_overflow=data.get("on_expert_overflow"),
                    placement_timeout_s=data.get("placement_timeout_s", 120.0), plan=plan, source=source)
 
     def to_toml(self) -> str:
@@ -207,8 +217,9 @@ class DeploymentSpec:
                  f"placement_timeout_s = {_toml(self.placement_timeout_s)}"]
         if self.comm_transport is not None:
             lines.append(f"comm_transport = {_toml(self.comm_transport)}")
-        if self.on_expert_loss is not None:
-            lines.append(f"on_expert_loss = {_toml(self.on_expert_loss)}")
+        for name in ("on_expert_loss", "expert_capacity_factor", "on_expert_overflow"):
+            if getattr(self, name) is not None:
+                lines.append(f"{name} = {_toml(getattr(self, name))}")
         for role in ROLES:
             r = self.role(role)
             lines += ["", f"[{role}]", f"workers = {_toml(r.workers)}", f"num_cpus = {_toml(r.num_cpus)}"]

@@ -26,22 +26,29 @@ class ClusterStats:
         self.expert_tokens: list[list[int]] = []  # per-expert figures: read at each refresh
         self.sizes: list[int] = []  # micro-batches run since the last snapshot
         self.dropped = 0  # expert assignments the attention workers dropped (a missing expert worker)
+        self.capacity_dropped = 0  # ... over an expert worker's capacity
+        self.second_pass_rows = 0  # token rows sent in second passes
 
     def on_step(self, worker: str, stats: AttentionStats) -> None:
         """An attention worker's step (one lane of its pipeline: a micro-batch) was done."""
         self.latest[worker] = stats
-        self.dropped += stats.dropped
+        self._count(stats)
         if stats.step_tokens:
             self.sizes.append(stats.step_tokens)
 
     def on_stats(self, worker: str, stats: AttentionStats | ExpertStats) -> None:
         self.latest[worker] = stats
         if isinstance(stats, AttentionStats):
-            self.dropped += stats.dropped
+            self._count(stats)
         if stats.load is not None:
             self.loads[worker] = stats.load
         if isinstance(stats, AttentionStats) and stats.prefix is not None:
             self.prefix[worker] = stats.prefix
+
+    def _count(self, stats: AttentionStats) -> None:
+        self.dropped += stats.dropped
+        self.capacity_dropped += stats.capacity_dropped
+        self.second_pass_rows += stats.second_pass_rows
 
     def refresh(self, pids: dict[str, int | None]) -> None:
         loads = [LoadSnapshot.from_json(js) for js in self.loads.values()]
@@ -65,7 +72,8 @@ class ClusterStats:
             kv_usage={a: st.kv_usage for a in self.attention if isinstance(st := self.latest.get(a), AttentionStats)},
             expert_tokens=self.expert_tokens, expert_worker_tokens=per_worker, busy_seconds=dict(self.busy),
             busy_fraction=dict(self.meter.fraction), expert_load=self.load, micro_batch_sizes=sizes,
-            prefix_cache=dict(self.prefix), dropped_expert_assignments=self.dropped)
+            prefix_cache=dict(self.prefix), dropped_expert_assignments=self.dropped,
+            capacity_dropped_assignments=self.capacity_dropped, second_pass_rows=self.second_pass_rows)
 
     def _expert_tokens(self) -> list[list[int]]:
         """Per layer and expert, the tokens the expert workers computed (each worker counts the

@@ -28,6 +28,8 @@ class EngineStats:
     last_failure: dict[str, str] = field(default_factory=dict)  # worker -> why it last failed
     prefix_cache: dict[str, PrefixCacheStats] = field(default_factory=dict)  # worker -> its prefix cache (refreshed)
     dropped_expert_assignments: int = 0  # (token, k) pairs dropped while an expert worker was missing (so far)
+    capacity_dropped_assignments: int = 0  # (token, k) pairs dropped over an expert worker's capacity (so far)
+    second_pass_rows: int = 0  # token rows sent to expert workers in a second pass, over capacity (so far)
 
 
 def process_tree(root: int) -> list[int]:

@@ -101,4 +101,4 @@ def _step_outputs(eng, outs) -> StepOutputs:
     runner = eng.runner
     return StepOutputs("attention0", outs, AttentionStats(
         len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage, eng.last_step.seconds,
-        eng.last_step.num_tokens, runner.tokens_per_worker.tolist()))
+        eng.last_step.num_tokens, runner.counts()[0]))

@@ -22,6 +22,7 @@ from afdserve.runtime.links import Links, PeerFailure, regroup
 from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AttentionStats, GetStats, GetTrace,
                                        PeerLost, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
                                        ToWorker, TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.dispatch import Capacity
 from afdserve.runtime.pipeline import PipelinedRunner
 from afdserve.runtime.lanes import Lanes
 from afdserve.runtime.trace import Tracer, idle_span
@@ -42,11 +43,12 @@ class AttentionWorker:
         self.hooks = host.join(spec.host_share, "attention", spec.index, cfg.num_threads or 1)  # the backend's
         self.links = Links.connect(spec, peers=self.peers, no_spin=self.hooks.spin_yield)
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
-        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window, device=side.model.device) \
             if cfg.gate == "attention" else None
         self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
                                       self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
-                                      hooks=self.hooks)
+                                      hooks=self.hooks,
+                                      capacity=Capacity(cfg.expert_capacity_factor, cfg.on_expert_overflow))
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
@@ -138,10 +140,10 @@ class AttentionWorker:
     def _stats(self, load: str | None = None, transports: dict[str, str] | None = None,
                prefix: PrefixCacheStats | None = None) -> AttentionStats:
         eng = self.engine
-        dropped, self.runner.dropped = self.runner.dropped, 0
+        per_worker, (lost, over, second) = self.runner.counts()
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
-                              eng.last_step.seconds, eng.last_step.num_tokens, self.runner.tokens_per_worker.tolist(),
-                              load, transports or {}, prefix, dropped)
+                              eng.last_step.seconds, eng.last_step.num_tokens, per_worker,
+                              load, transports or {}, prefix, lost, over, second)
 
     def close(self) -> None:
         self.links.close()

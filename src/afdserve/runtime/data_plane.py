@@ -5,7 +5,8 @@ tensors are views of the receiver's registered slot until ``release``. Kinds:
 
 * ``EXPERT_INPUT`` (attention -> expert): one layer's MoE input of a lane's step: the hidden states
   [n, H] and, with the attention-side gate, the top-k ids [n, k] (int32; ``num_experts``: routed to
-  another worker) and weights [n, k] float32; ``map_version``: the expert map the sender routed by.
+  another worker, or a padding row of the fixed-capacity slot: ``runtime/dispatch.py``) and weights
+  [n, k] float32; ``map_version``: the expert map the sender routed by.
 * ``EXPERT_OUTPUT`` (expert -> attention): the partial sums [n, H] of this worker's experts.
 """
 
@@ -31,6 +32,7 @@ class LayerKey:
     step: int
     lane: int
     layer: int
+    part: int = 0  # the round of the layer's dispatch (a second pass: 1)
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class ExpertInput:
     def meta(self) -> Meta:
         k = self.key
         return Meta(step=k.step, microbatch=k.lane, layer=k.layer, num_tokens=int(self.hidden.shape[0]),
-                    tag=self.map_version, kind=Kind.EXPERT_INPUT)
+                    tag=self.map_version, ints=(k.part,) if k.part else (), kind=Kind.EXPERT_INPUT)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.hidden] if self.ids is None else [self.hidden, self.ids, self.weights]
@@ -64,7 +66,7 @@ class ExpertOutput:
     def meta(self) -> Meta:
         k = self.key
         return Meta(step=k.step, microbatch=k.lane, layer=k.layer, num_tokens=int(self.partial.shape[0]),
-                    kind=Kind.EXPERT_OUTPUT)
+                    ints=(k.part,) if k.part else (), kind=Kind.EXPERT_OUTPUT)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.partial]
@@ -77,7 +79,7 @@ class ExpertOutput:
 def read(msg: Message) -> ExpertInput | ExpertOutput:
     """The typed message a received M2N message holds (its tensors stay views of the slot)."""
     m, t = msg.meta, msg.tensors
-    key = LayerKey(m.step, m.microbatch, m.layer)
+    key = LayerKey(m.step, m.microbatch, m.layer, m.ints[0] if m.ints else 0)
     if m.kind == Kind.EXPERT_INPUT and len(t) in (1, 3):
         return ExpertInput(key, m.tag, t[0], t[1] if len(t) == 3 else None, t[2] if len(t) == 3 else None, msg)
     if m.kind == Kind.EXPERT_OUTPUT and len(t) == 1:

@@ -56,12 +56,12 @@ class ExpertCompute:
             # Route each sender's micro-batch on its own: every expert worker received exactly that
             # batch, so all of them compute the same assignment whatever else they merged with it.
             routed = [self.routers[layer](p[0].to(dev)) for p in parts]
-            ids_host = [i.cpu() for i, _ in routed]  # the expert map routes on the host
-            mine = [self.maps[version].route(layer, i) == self.worker for i in ids_host]
-            ids = torch.cat([torch.where(m, i, n_exp) for i, m in zip(ids_host, mine)])
+            # the expert map routes on the device too: nothing is read back to the host
+            mine = [self.maps[version].route(layer, i) == self.worker for i, _ in routed]
+            ids = torch.cat([torch.where(m, i, n_exp) for (i, _), m in zip(routed, mine)])
             w = torch.cat([w for _, w in routed])
             if self.tracker is not None:
-                self.tracker.record(layer, torch.cat(ids_host))
+                self.tracker.record(layer, torch.cat([i for i, _ in routed]))
         else:  # the ids as sent (int32 or int64: the kernel takes either)
             ids = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
             w = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from afdserve.balance.placement import EMPTY, LayerPlacement, Placement
-from afdserve.balance.routing import route_replicas
+from afdserve.balance.routing import route_replicas_device
 from afdserve.errors import ConfigError
 
 
 @dataclass
 class ExpertMap:
     placement: Placement
-    _owner: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _owner: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_workers(self) -> int:
@@ -56,13 +56,23 @@ class ExpertMap:
         return [list(layer.experts_on(worker)) for layer in self.placement.layers]
 
     def route(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """int64 [T, k]: the expert worker that computes each (token, k) pair."""
+        """int64 [T, k] on the ids' device: the expert worker that computes each (token, k) pair
+        (-1: an expert no worker holds). Tensor ops only: nothing is read back to the host."""
         lp = self.placement.layers[layer]
-        if int(lp.replica_counts().max()) > 1:
-            return route_replicas(topk_ids, lp)
-        if layer not in self._owner:
-            self._owner[layer] = torch.tensor([(lp.replicas_of(e) or (-1,))[0] for e in range(lp.num_experts)])
-        return self._owner[layer][topk_ids]
+        if lp._cache.get("replicated", None) is None:
+            lp._cache["replicated"] = int(lp.replica_counts().max()) > 1
+        if lp._cache["replicated"]:
+            return route_replicas_device(topk_ids, lp)
+        key = (layer, topk_ids.device)
+        if key not in self._owner:
+            self._owner[key] = torch.tensor([(lp.replicas_of(e) or (-1,))[0] for e in range(lp.num_experts)],
+                                            device=topk_ids.device)
+        return self._owner[key][topk_ids.long()]
+
+    def held_counts(self, layer: int) -> list[int]:
+        """Per worker, the distinct logical experts it holds in ``layer``."""
+        lp = self.placement.layers[layer]
+        return [len({e for e in s if e != EMPTY}) for s in lp.slots]
 
     def without(self, workers: set[int]) -> "ExpertMap":
         """This map while ``workers`` are missing: they hold nothing (their slots empty), so a

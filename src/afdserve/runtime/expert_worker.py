@@ -45,7 +45,7 @@ class ExpertWorker:
             routers = {layer: r.to(self.device) for layer, r in load_routers(reader, model_cfg, dtype).items()}
             for r in routers.values():
                 r.prepare(backends)
-        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window) \
+        tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window, device=self.device) \
             if cfg.gate == "expert" and spec.index == 0 else None  # every expert worker sees every token
         self.reader = reader
         self.compute = ExpertCompute(experts, routers, spec.index, {spec.map_version: spec.expert_map}, tracker)

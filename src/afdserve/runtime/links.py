@@ -46,7 +46,7 @@ def slot_bytes(spec: WorkerSpec) -> int:
 
 def max_micro_batches(started_with: int) -> int:
     """Micro-batches the links of a deployment started with ``started_with`` can carry (one slot
-    per micro-batch in flight per pair, plus one)."""
+    per micro-batch in flight per pair -- two with a dispatch's second pass -- plus one)."""
     return max(3, started_with)
 
 
@@ -64,7 +64,9 @@ class Links:
         from torch.distributed import TCPStore
 
         store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
-        cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=max_micro_batches(spec.config.micro_batches) + 1,
+        c = spec.config
+        rounds = 2 if c.expert_capacity_factor is not None and c.on_expert_overflow == "second-pass" else 1
+        cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=rounds * max_micro_batches(c.micro_batches) + 1,
                          transport=spec.config.comm_transport, deadline_s=spec.config.comm_timeout_ms / 1000,
                          connect_timeout_s=spec.config.startup_timeout_s, **(spin_options(spec) | spec.comm))
         comm = Communicator(spec.name, store, cfg, group=group or spec.group)

@@ -154,6 +154,8 @@ class AttentionStats:
     transports: dict[str, str] = field(default_factory=dict)  # peer -> M2N transport (on GetStats)
     prefix: PrefixCacheStats | None = None  # its prefix cache's counters and tiers (on GetStats)
     dropped: int = 0  # (token, k) expert assignments dropped since the last stats (a missing expert worker)
+    capacity_dropped: int = 0  # ... dropped over an expert worker's capacity (--on-expert-overflow=drop)
+    second_pass_rows: int = 0  # token rows sent in a second pass since the last stats (over capacity)
 
 
 @dataclass(frozen=True)

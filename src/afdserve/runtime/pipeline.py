@@ -23,6 +23,7 @@ from afdserve.engine.runner import ModelInput, ModelOutput, head, stage
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.data_plane import ExpertInput, ExpertOutput, LayerKey, read
+from afdserve.runtime.dispatch import Capacity, Dispatcher
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links
 from afdserve.runtime.trace import Tracer
@@ -61,7 +62,8 @@ class Dispatch:
 class PipelinedRunner:
     def __init__(self, model: AttentionModel, kv: KVCache, links: Links, expert_map: ExpertMap,
                  micro_batches: int, gate: str, tracer: Tracer, timeout_s: float,
-                 tracker: LoadTracker | None = None, hooks: WorkerHooks | None = None):
+                 tracker: LoadTracker | None = None, hooks: WorkerHooks | None = None,
+                 capacity: Capacity | None = None):
         self.model, self.kv, self.links, self.map = model, kv, links, expert_map
         self.version = 0  # of the expert map; sent with every dispatch
         self.tracker = tracker
@@ -70,10 +72,10 @@ class PipelinedRunner:
         self.hooks = hooks or NoHooks()  # the backend's, around waits and sends (afdserve.backends.host)
         self.vocab_size = model.cfg.vocab_size
         self.step_no = 0
-        self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
         self.full_map = expert_map  # the map without missing workers
-        self.lost: torch.Tensor | None = None  # bool [L, E]: experts no live worker holds (dropped)
-        self.dropped = 0  # (token, k) assignments dropped since the last report
+        # the plan of each layer's dispatch, on the model's device; counts what it sent and dropped
+        self.dispatcher = Dispatcher(expert_map, model.cfg.num_experts, model.cfg.top_k, capacity or Capacity(),
+                                     model.device)
         # per expert worker: the replies due, by layer key; a worker may answer the dispatches of
         # different lanes out of order (it merges the same layer's tokens)
         self._expect: dict[int, dict[LayerKey, tuple[Dispatch, Part]]] = {}
@@ -87,9 +89,15 @@ class PipelinedRunner:
         self.version, self.full_map = version, expert_map
         self.map = expert_map.without(set(missing)) if missing else expert_map
         lost = self.map.lost_experts() if missing else None
-        self.lost = lost if lost is not None and bool(lost.any()) else None
-        if expert_map.num_workers != self.tokens_per_worker.numel():  # the expert pool was resized
-            self.tokens_per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64)
+        self.dispatcher.set_map(self.map, lost if lost is not None and bool(lost.any()) else None)
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Rows sent to each expert worker so far; and the (token, k) pairs dropped for a missing
+        worker, those dropped over capacity and the rows sent in second passes, since the last call
+        (read from the device: call it after a step, not inside one)."""
+        per, now = self.dispatcher.read()
+        last, self._counted = getattr(self, "_counted", [0, 0, 0]), now
+        return per, [a - b for a, b in zip(now, last)]
 
     # ---- replies --------------------------------------------------------------------------------
     @property
@@ -198,52 +206,40 @@ class PipelinedRunner:
 
     def dispatch(self, key: LayerKey, h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None,
                  w: torch.Tensor | None) -> Dispatch:
-        """Sends the layer's MoE input to the expert workers that hold its tokens' experts."""
+        """Sends the layer's MoE input to the expert workers: the plan (``runtime/dispatch.py``) is
+        computed on the tokens' device, nothing of the routing is read back to the host."""
         d = Dispatch(key, h, y, deadline=self._deadline(y.shape[0]))
         layer = key.layer
         if not self.model.cfg.is_moe(layer):  # a dense layer: its MLP runs in combine, nothing is sent
             return d
-        n_exp = self.model.cfg.num_experts
         with self.tracer.span("send", mb=key.lane, layer=layer):
             if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
                 for j in range(self.map.num_workers):
-                    self._send(d, j, None, y, None, None)
+                    self._send(d, d.key, j, None, y, None, None)
+                self.dispatcher.per_worker += y.shape[0]
                 return d
-            ids, w = ids.cpu(), w.cpu()  # routing and the messages' sizes are decided on the host
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
-            lost = self.lost[layer][ids] if self.lost is not None else None
-            if lost is not None and bool(lost.any()):  # an expert worker is missing: drop its experts
-                w = renormalized_weights(w, ~lost)
-                self.dropped += int(lost.sum())
-                held = (~self.lost[layer]).nonzero()
-                if held.numel() == 0:  # no expert of this layer is held anywhere: nothing routed
-                    owner = torch.full_like(ids, -1, dtype=torch.int64)
-                else:  # route the lost pairs as any held expert, then take them out
-                    owner = torch.where(lost, -1, self.map.route(layer, torch.where(lost, int(held[0, 0]), ids)))
-            elif self.map.num_workers == 1:  # one expert worker holds every expert: all tokens, no gather
-                self._send(d, 0, None, y, ids.to(torch.int32), w)
+            t = y.shape[0]
+            if self.map.num_workers == 1 and self.dispatcher.lost is None and self.dispatcher.caps(layer, t)[1] is None:
+                self._send(d, d.key, 0, None, y, ids.to(torch.int32), w)  # one worker holds every expert: no gather
+                self.dispatcher.per_worker += t
                 return d
-            else:
-                owner = self.map.route(layer, ids)
-            for j in range(self.map.num_workers):
-                mine = owner == j
-                rows = mine.any(dim=1).nonzero().squeeze(1)
-                if rows.numel() == 0:
-                    continue  # nothing for this worker: no message, no wait
-                sub_ids = torch.where(mine[rows], ids[rows], n_exp).to(torch.int32)
-                dev_rows = rows.to(y.device)
-                self._send(d, j, dev_rows, y[dev_rows], sub_ids, w[rows])
+            rounds, _ = self.dispatcher.plan(layer, ids, w)
+            for part, r in enumerate(rounds):
+                k = LayerKey(key.step, key.lane, layer, part)
+                slots = y.index_select(0, r.src.view(-1)).view(*r.src.shape, -1)  # [N, C, H]: every destination's rows
+                for j in r.to:
+                    self._send(d, k, j, r.rows[j], slots[j], r.ids[j], r.weights[j])
         return d
 
-    def _send(self, d: Dispatch, worker: int, rows: torch.Tensor | None, y: torch.Tensor, ids: torch.Tensor | None,
-              w: torch.Tensor | None) -> None:
+    def _send(self, d: Dispatch, key: LayerKey, worker: int, rows: torch.Tensor | None, y: torch.Tensor,
+              ids: torch.Tensor | None, w: torch.Tensor | None) -> None:
         self.hooks.sending("expert", worker)
-        self.links.send(worker, ExpertInput(d.key, self.version, y, ids, w))
-        self.tokens_per_worker[worker] += d.y.shape[0] if rows is None else rows.numel()
+        self.links.send(worker, ExpertInput(key, self.version, y, ids, w))
         part = Part(worker, rows)
         d.parts.append(part)
-        self._expect.setdefault(worker, {})[d.key] = (d, part)
+        self._expect.setdefault(worker, {})[key] = (d, part)
 
     def combine(self, d: Dispatch) -> torch.Tensor:
         """The layer's output from its dispatch's replies (read in place from the registered slots)."""
@@ -256,22 +252,18 @@ class PipelinedRunner:
                 dev = d.y.device
                 if len(d.parts) == 1 and d.parts[0].rows is None:
                     routed = d.parts[0].reply.partial.to(dev)
-                else:
-                    routed = torch.zeros_like(d.y)
+                else:  # fixed-capacity slots: their padding rows add into a spare last row
+                    t = d.y.shape[0]
+                    routed = d.y.new_zeros(t + 1, d.y.shape[1])
                     for p in d.parts:
                         part = p.reply.partial.to(dev)
                         if p.rows is None:
-                            routed += part
+                            routed[:t] += part
                         else:
                             routed.index_add_(0, p.rows, part)
+                    routed = routed[:t]
                 return self.model.post_moe(layer, d.h, d.y, routed)
         finally:
             for p in d.parts:
                 p.reply.release()
 
-
-def renormalized_weights(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Top-k weights [T, k] with the pairs not in ``keep`` zeroed and the kept ones scaled to the
-    sum of all k (a token with none kept gets nothing routed)."""
-    kept = torch.where(keep, w, torch.zeros_like(w))
-    return kept * (w.sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny))

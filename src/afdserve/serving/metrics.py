@@ -92,7 +92,13 @@ def _workers(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily
     dropped = CounterMetricFamily("afdserve_dropped_expert_assignments", "(token, k) expert assignments dropped "
                                   "while an expert worker was missing (--on-expert-loss=drop: top-(K-1) routing)")
     dropped.add_metric([], s.dropped_expert_assignments)
-    yield from (up, state, restarts, failure, dropped)
+    over = CounterMetricFamily("afdserve_expert_capacity_dropped_assignments", "(token, k) expert assignments "
+                               "dropped over an expert worker's capacity (--on-expert-overflow=drop)")
+    over.add_metric([], s.capacity_dropped_assignments)
+    second = CounterMetricFamily("afdserve_expert_second_pass_rows", "Token rows sent to expert workers in a "
+                                 "second round, over their capacity (--on-expert-overflow=second-pass)")
+    second.add_metric([], s.second_pass_rows)
+    yield from (up, state, restarts, failure, dropped, over, second)
 
 
 def _prefix_cache(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
