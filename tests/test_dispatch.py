@@ -315,17 +315,20 @@ def test_drop_equals_transformers_dropping_the_same(skewed):
     assert _hf_dropping(path, ps, GREEDY.max_tokens, 1e9, 2)[0] != ref
 
 
-def test_a_deployment_drops_over_capacity_and_counts_it_in_metrics(skewed):
-    """The same through a local deployment (1 + 2 worker processes, shm transport): outputs, the
-    counter in the engine's stats and in /metrics."""
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_a_deployment_drops_over_capacity_and_counts_it_in_metrics(skewed, transport):
+    """The same through a local deployment (1 + 2 worker processes; the shm transport, and the torch
+    one: headers on the pair's socket, payloads point to point): outputs, the counter in the
+    engine's stats and in /metrics."""
     from afdserve import LLM
     from afdserve.serving.metrics import _workers
 
     path, ps, ref, ref_dropped = skewed
     with LLM(str(path), num_kv_blocks=64, expert_workers=2, micro_batches=2, expert_capacity_factor=1.0,
-             on_expert_overflow="drop") as llm:
+             on_expert_overflow="drop", comm_transport=transport) as llm:
         got = [list(llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids) for p in ps]
         stats = llm.engine.stats()
+        assert set(llm.engine.worker_stats()["expert0"].transports.values()) == {transport}
     assert got == ref
     assert stats.capacity_dropped_assignments == ref_dropped and stats.second_pass_rows == 0
     family = next(f for f in _workers(stats) if f.name == "afdserve_expert_capacity_dropped_assignments")

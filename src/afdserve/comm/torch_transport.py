@@ -1,23 +1,26 @@
-"""torch.distributed point-to-point transport (gloo on CPU, NCCL on GPU): the baseline and fallback.
+"""torch.distributed point-to-point transport (gloo on CPU, NCCL on GPU): across nodes, and the fallback.
 
-Each directed pair gets its own two-rank process group (sender = rank 0), created once at connect
-time in a global order of pairs (so no two processes wait for each other in different groups).
-A message is the fixed-size header followed by the payload (one point-to-point message each),
-received into the registered slot; the sender stages it in a local slot so that ``send`` can
-return before the receiver has posted its receive (a synchronous send would deadlock the ping-pong
-pattern where both sides send before they receive). torch.distributed needs the exact size of every receive, hence
-the separate header. A wait that times out leaves the group in an unknown state: the pair is then
-unusable (later calls raise the same error).
+Each directed pair gets its own two-rank process group (sender = rank 0), created once per
+membership epoch at connect time in a global order of pairs (so no two processes wait for each
+other in different groups), never per call. A message's fixed-size header travels on the pair's
+socket (host bytes: the receiver learns the payload's size without reading device memory, so a
+message costs no host sync on a GPU); its payload is one point-to-point message, received into the
+registered slot. The sender stages the payload in a local slot so that ``send`` can return before
+the receiver has posted its receive (a synchronous send would deadlock the ping-pong pattern where
+both sides send before they receive). A wait that times out leaves the group in an unknown state:
+the pair is then unusable (later calls raise the same error).
 """
 
 from __future__ import annotations
 
 import datetime
+import select
 import socket
 import time
 from functools import partial
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -69,8 +72,9 @@ class _TorchEnd:
 
 
 class TorchSendChannel(SendChannel, _TorchEnd):
-    """Sends are asynchronous: the message is staged in one of ``num_slots`` local slots and posted;
-    a send waits only for the sends posted ``num_slots`` messages earlier (like a credit)."""
+    """Sends are asynchronous: the payload is staged in one of ``num_slots`` local slots and posted,
+    its header written to the socket; a send waits only for the send posted ``num_slots`` messages
+    earlier (like a credit)."""
 
     transport = "torch"
 
@@ -81,10 +85,8 @@ class TorchSendChannel(SendChannel, _TorchEnd):
         self.device = device
         mem = torch.zeros(num_slots * slot_stride(slot_bytes), dtype=torch.uint8, device=device)
         self.buf = SlotBuffer(num_slots, slot_bytes, tensor=mem)
-        self._hdr_cpu = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        self._hdr_np = self._hdr_cpu.numpy()
+        self._hdr = bytearray(HEADER_BYTES)
         self._pending: list[list] = [[] for _ in range(num_slots)]
-        self._unsent = 0
 
     def send(self, tensors: Sequence[torch.Tensor], meta: Meta, deadline: float, progress: Progress) -> None:
         descs, total = plan(tensors, self.slot_bytes, self.peer)
@@ -94,32 +96,31 @@ class TorchSendChannel(SendChannel, _TorchEnd):
         for w in self._pending[s]:
             self._wait(w, deadline, f"sending message #{k - self.num_slots}")
         self._pending[s] = []
-        h = self.buf.header_offset(s)
-        hdr = self.buf.u8[h: h + HEADER_BYTES]
-        if self.buf.is_host:
-            encode_into(hdr.numpy(), 0, k, meta, descs, total)
-        else:
-            encode_into(self._hdr_np, 0, k, meta, descs, total)
-            hdr.copy_(self._hdr_cpu)
+        encode_into(self._hdr, 0, k, meta, descs, total)
         self.buf.write(s, tensors, descs)
-        works = [self.pg.send([hdr], 1, TAG)]
         if total:
             p = self.buf.payload_offset(s)
-            works.append(self.pg.send([self.buf.u8[p: p + total]], 1, TAG))
-        self._pending[s] = works
+            self._pending[s] = [self.pg.send([self.buf.u8[p: p + total]], 1, TAG)]
+        self._write_header(deadline, k)
         self.next_seq = k + 1
-        self._unsent += 1
-        self._notify()
 
-    def _notify(self) -> None:
-        """One byte per message on the pair's socket: lets the receiver's recv_any poll this pair."""
-        try:
-            n = self.sock.send(b"\x01" * self._unsent)  # type: ignore[union-attr]
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            n = self._unsent
-        self._unsent -= n
+    def _write_header(self, deadline: float, k: int) -> None:
+        """The header, whole, on the socket (it has room: at most ``num_slots`` headers are unread)."""
+        view, sent = memoryview(self._hdr), 0
+        while sent < HEADER_BYTES:
+            try:
+                sent += self.sock.send(view[sent:])  # type: ignore[union-attr]
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as e:
+                self._poison(PeerDeadError, f"connection failed ({e.strerror or e})")
+                self.check()
+            rem = deadline - _now()
+            if rem <= 0:
+                self._poison(PeerTimeoutError, f"the header of message #{k} could not be written before the deadline")
+                self.check()
+            select.select([], [self.sock], [], rem)
 
     def close(self) -> None:
         self.close_socket()
@@ -136,20 +137,10 @@ class TorchRecvChannel(RecvChannel, _TorchEnd):
         self.device = device
         mem = torch.zeros(num_slots * slot_stride(slot_bytes), dtype=torch.uint8, device=device)
         self.buf = SlotBuffer(num_slots, slot_bytes, tensor=mem)
-        self._notified = 0  # notification bytes seen = messages the sender has posted
-        self._hwork = None
-        self._post_header()
-
-    def _post_header(self) -> None:
-        """Post the receive of the next header ahead of time (gloo is fastest when the receive is
-        already posted when data arrives). Only the header area of the slot is written, never the
-        payload a held Message may still view."""
-        off = self.buf.header_offset(self.next_seq % self.num_slots)
-        self._hwork = self.pg.recv([self.buf.u8[off: off + HEADER_BYTES]], 0, TAG)
+        self._inbox = bytearray()  # header bytes read from the socket, not taken yet
 
     def drain_socket(self) -> None:
-        """Count the sender's one-byte notifications (gloo cannot be polled: is_completed() only
-        turns true inside wait()); notice EOF."""
+        """Read the headers the sender wrote; notice EOF."""
         sock = self.sock
         if sock is None or self.gone is not None:
             return
@@ -164,26 +155,22 @@ class TorchRecvChannel(RecvChannel, _TorchEnd):
             if not data:
                 self.mark_gone(PeerDeadError, "process died or closed (connection closed)")
                 return
-            self._notified += len(data)
+            self._inbox += data
 
     def ready(self) -> bool:
-        if self._notified <= self.next_seq:
+        if len(self._inbox) < HEADER_BYTES:
             self.drain_socket()
-        return self._notified > self.next_seq
-
-    def recv(self, deadline: float, progress: Progress) -> Message:
-        self.check()
-        self.check_slot()
-        return self.take(deadline)
+        return len(self._inbox) >= HEADER_BYTES
 
     def take(self, deadline: float) -> Message:
         k = self.next_seq
         s = k % self.num_slots
-        off = self.buf.header_offset(s)
-        self._wait(self._hwork, deadline, f"receiving message #{k}")
-        off = self.buf.header_offset(s)
-        raw = self.buf.u8[off: off + HEADER_BYTES]
-        h = decode(raw.numpy() if raw.device.type == "cpu" else raw.cpu().numpy())
+        try:
+            h = decode(np.frombuffer(bytes(self._inbox[:HEADER_BYTES]), dtype=np.uint8))
+        except ValueError as e:
+            self._poison(PeerDeadError, f"protocol error: {e}")
+            self.check()
+        del self._inbox[:HEADER_BYTES]
         if h.seq != k:
             self._poison(PeerDeadError, f"protocol error: got message #{h.seq}, expected #{k}")
             self.check()
@@ -196,9 +183,6 @@ class TorchRecvChannel(RecvChannel, _TorchEnd):
             self._wait(work, deadline, f"receiving the payload of message #{k}")
         self.held[s] = True
         self.next_seq = k + 1
-        self._post_header()
-        if self._notified < self.next_seq:
-            self.drain_socket()  # keep the notification stream drained
         return Message(self.peer, k, h.meta, self.buf.tensors(s, h.tensors), h.payload_bytes,
                        partial(self._release, k))
 
@@ -208,4 +192,3 @@ class TorchRecvChannel(RecvChannel, _TorchEnd):
     def close(self) -> None:
         self.close_socket()
         self.buf.release()
-

@@ -158,7 +158,7 @@ class Dispatcher:
         k = ids.shape[1]
         sub = torch.where(mine, ids.to(torch.int32).unsqueeze(0), self.num_experts)
         sub = sub.gather(1, src.unsqueeze(2).expand(n, c, k))
-        return Round(rows, src, sub, w.index_select(0, src.view(-1)).view(n, c, k), to)
+        return Round(rows, src, sub, w.index_select(0, src.reshape(-1)).view(n, c, k), to)
 
     def read(self) -> tuple[list[int], list[int]]:
         """(rows sent to each expert worker so far, the counters: lost, over capacity, second-pass)."""

@@ -228,7 +228,7 @@ class PipelinedRunner:
             rounds, _ = self.dispatcher.plan(layer, ids, w)
             for part, r in enumerate(rounds):
                 k = LayerKey(key.step, key.lane, layer, part)
-                slots = y.index_select(0, r.src.view(-1)).view(*r.src.shape, -1)  # [N, C, H]: every destination's rows
+                slots = y.index_select(0, r.src.reshape(-1)).view(*r.src.shape, -1)  # [N, C, H]: every destination's rows
                 for j in r.to:
                     self._send(d, k, j, r.rows[j], slots[j], r.ids[j], r.weights[j])
         return d
