@@ -39,3 +39,22 @@ def test_bench_m2n_cli_writes_json_and_plot(tmp_path, capsys):
     assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and r["throughput_gbps"] > 0 for r in rows)
     assert png.stat().st_size > 10_000
     assert "median us" in capsys.readouterr().out
+
+
+def test_bench_m2n_layer_mode(tmp_path):
+    """--layer: a layer's dispatch + combine per transport at M = N = 1 and 2, as the runtime plans
+    it (a tiny run); bad input is refused with a message."""
+    root = argparse.ArgumentParser(prog="afdserve")
+    bench = root.add_subparsers(dest="cmd").add_parser("bench")
+    add_parser(bench.add_subparsers(dest="what"))
+    out = tmp_path / "layer.json"
+    args = root.parse_args(["bench", "m2n", "--layer", "--transports", "shm,torch", "--scale", "1,2", "--tokens", "16",
+                            "--hidden", "64", "--experts", "8", "--top-k", "2", "--iters", "5", "--json", str(out)])
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["transport"], r["M"], r["N"]) for r in rows} == {("shm", 1, 1), ("torch", 1, 1), ("shm", 2, 2),
+                                                                ("torch", 2, 2)}
+    assert all(r["median_us"] > 0 and r["p99_us"] >= r["median_us"] and r["layers_per_s"] > 0 and r["gbps"] > 0
+               for r in rows)
+    bad = root.parse_args(["bench", "m2n", "--layer", "--transports", "torch_raw"])
+    assert bad.func(bad) == 2
