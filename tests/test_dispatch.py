@@ -200,6 +200,7 @@ def _replicated(cfg, n):
     return ExpertMap(Placement(tuple(layer for _ in range(cfg.num_layers))))
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("case", ["two", "three-skewed-capacity", "replicated", "expert-gate", "lost-worker"])
 def test_no_host_read_of_the_routing(tiny_mixtral, case):
     """Decode and prefill steps through the disaggregated path with a detector of host reads around
@@ -228,6 +229,7 @@ def test_the_detector_sees_a_host_read_added_back(tiny_mixtral, monkeypatch):
     assert links.found and all(f.startswith("cpu at ") for f in links.found)
 
 
+@pytest.mark.torch_backend
 @pytest.mark.parametrize("n", [2, 3])
 def test_default_and_second_pass_change_no_output(tiny_mixtral, n):
     """The default capacity (every token) and a small capacity with a second pass give the outputs
@@ -298,6 +300,7 @@ def skewed(tmp_path_factory):
     return path, ps, *_hf_dropping(path, ps, GREEDY.max_tokens, 1.0, 2)
 
 
+@pytest.mark.torch_backend
 def test_drop_equals_transformers_dropping_the_same(skewed):
     """gpt-oss routed mostly to worker 0's experts, capacity factor 1.0, drop: the outputs equal
     transformers with the same assignments dropped (one request at a time: a prefill of the whole
@@ -333,3 +336,22 @@ def test_a_deployment_drops_over_capacity_and_counts_it_in_metrics(skewed, trans
     assert stats.capacity_dropped_assignments == ref_dropped and stats.second_pass_rows == 0
     family = next(f for f in _workers(stats) if f.name == "afdserve_expert_capacity_dropped_assignments")
     assert family.samples[0].value == ref_dropped
+
+
+def test_a_deployment_spec_carries_the_capacity(tmp_path):
+    """The two keys in a deployment spec: read, written back, applied to the engine's options; bad
+    values refused naming the key."""
+    from afdserve.cluster.spec import DeploymentSpec, load_deployment
+
+    path = tmp_path / "spec.toml"
+    path.write_text('expert_capacity_factor = 1.25\non_expert_overflow = "drop"\n[attention]\nworkers = 1\n'
+                    '[expert]\nworkers = 2\n')
+    spec = load_deployment(path)
+    o = spec.engine_overrides()
+    assert (o["expert_capacity_factor"], o["on_expert_overflow"]) == (1.25, "drop")
+    again = tmp_path / "again.toml"
+    spec.write(again)
+    assert load_deployment(again).engine_overrides() == spec.engine_overrides()
+    for key, value in (("expert_capacity_factor", 0), ("on_expert_overflow", "spill")):
+        with pytest.raises(ConfigError, match=key):
+            DeploymentSpec.from_dict({key: value, "attention": {"workers": 1}, "expert": {"workers": 2}})
