@@ -16,6 +16,11 @@ computed), and whether greedy outputs are identical.
 
     python benchmarks/balance.py [--json out/balance.json] [--plot out/balance.png] [--trace out/balance_trace.json]
         [--no-lend-idle-cores] [--cluster ray [--ray-address A]]
+        [--capacity-factor F [--on-overflow drop|second-pass]]
+
+With ``--capacity-factor`` the dispatch caps each expert worker's slot (afdserve.runtime.dispatch):
+the counters of (token, k) pairs dropped and rows sent in a second pass are reported per placement,
+next to the pairs routed (outputs are then compared only within a placement under ``drop``).
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def layer_loads(llm) -> list[list[int]]:
 
 
 def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, rounds: int, micro_batches: int,
-            cluster: str = "local", trace: str | None = None, lend: bool = True) -> dict:
+            cluster: str = "local", trace: str | None = None, lend: bool = True,
+            capacity: tuple[float | None, str] = (None, "second-pass")) -> dict:
     """One deployment (1 attention + 2 expert workers) switched live between the contiguous
     placement (no replicas, 4 slots a worker) and the JANUS plan of the measured load (``slots``
     a worker, hot experts replicated), ``rounds`` times each, alternating: both placements see
@@ -76,7 +82,7 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(prompt_len)]} for _ in range(batch)]
     kw = dict(expert_workers=2, micro_batches=micro_batches, num_threads=1, max_num_seqs=batch,
               max_num_batched_tokens=batch * (prompt_len + 1), kv_cache_gb=1.0, cluster=cluster, trace=trace,
-              lend_idle_cores=lend)
+              lend_idle_cores=lend, expert_capacity_factor=capacity[0], on_expert_overflow=capacity[1])
     windows: dict[str, list[tuple[float, float]]] = {}  # per placement: its decode windows (epoch us)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     with LLM(str(path), **kw) as llm:
@@ -89,6 +95,7 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
             for name in (list(placements) if r % 2 == 0 else list(placements)[::-1]):
                 llm.engine.rebalance(placement=placements[name])
                 before = layer_loads(llm)
+                s0 = llm.engine.stats()
                 t0 = time.perf_counter()
                 llm.generate(prompts, greedy(1))
                 t1 = time.perf_counter() - t0
@@ -99,10 +106,15 @@ def measure(path: Path, batch: int, tokens: int, prompt_len: int, slots: int, ro
                 per_layer = [[a - b for a, b in zip(wa, wb)] for wa, wb in zip(layer_loads(llm), before)]
                 loads = [sum(w) for w in per_layer]
                 tbt = (tn - t1) / (tokens - 1)
-                runs[name].append({"decode_tok_s": batch / tbt, "tbt_ms": tbt * 1e3, "worker_loads": loads,
+                s1 = llm.engine.stats()
+                over = {"capacity_dropped": s1.capacity_dropped_assignments - s0.capacity_dropped_assignments,
+                        "second_pass_rows": s1.second_pass_rows - s0.second_pass_rows}
+                runs[name].append({"decode_tok_s": batch / tbt, "tbt_ms": tbt * 1e3, "worker_loads": loads, **over,
                                    "worker_layer_loads": per_layer,
                                    "outputs": [o.outputs[0].token_ids for o in outs]})
-                print(f"  round {r}: {name:<12} {batch / tbt:8.1f} tok/s  worker loads {loads}", flush=True)
+                print(f"  round {r}: {name:<12} {batch / tbt:8.1f} tok/s  worker loads {loads}"
+                      + (f"  dropped {over['capacity_dropped']}, second-pass rows {over['second_pass_rows']}"
+                         if capacity[0] is not None else ""), flush=True)
     out = {}
     for name, rs in runs.items():
         med = sorted(rs, key=lambda x: x["decode_tok_s"])[len(rs) // 2]
@@ -155,6 +167,9 @@ def main() -> None:
     ap.add_argument("--trace", default=None, metavar="PATH",
                     help="trace the deployment into PATH and report each worker's busy fraction per placement")
     ap.add_argument("--no-lend-idle-cores", action="store_true", help="workers do not lend their idle cores")
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="cap each expert worker's slot at F x its uniform-routing share (default: no cap)")
+    ap.add_argument("--on-overflow", default="second-pass", choices=["second-pass", "drop"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cluster == "ray":
@@ -163,12 +178,14 @@ def main() -> None:
         ray.init(address=args.ray_address)  # once: both deployments join this connection
     path = skewed_checkpoint(Path(args.model_dir))
     both = measure(path, args.batch, args.tokens, args.prompt_len, args.slots, args.rounds, args.micro_batches,
-                   args.cluster, args.trace, not args.no_lend_idle_cores)
+                   args.cluster, args.trace, not args.no_lend_idle_cores, (args.capacity_factor, args.on_overflow))
     no, rep = both["no_replicas"], both["replicas"]
     first = no["all_outputs"][0]
     res = {"throughput_no_replicas": no["decode_tok_s"], "throughput_replicas": rep["decode_tok_s"],
            "max_mean_load_no_replicas": no["max_mean_load"], "max_mean_load_replicas": rep["max_mean_load"],
-           "outputs_identical": all(o == first for o in no["all_outputs"] + rep["all_outputs"]),
+           "outputs_identical": all(o == first for o in no["all_outputs"] + rep["all_outputs"])
+           if args.capacity_factor is None or args.on_overflow != "drop" else  # drops differ by placement
+           all(o == r["all_outputs"][0] for r in (no, rep) for o in r["all_outputs"]),
            "throughput_runs_no_replicas": no["runs_tok_s"], "throughput_runs_replicas": rep["runs_tok_s"],
            "micro_batches": args.micro_batches, "rounds": args.rounds,
            "round_ratios": [r / n for r, n in zip(rep["runs_tok_s"], no["runs_tok_s"])],
@@ -176,7 +193,10 @@ def main() -> None:
            "placement_layer0_replicas": rep["placement_layer0"],
            "worker_layer_loads_no_replicas": no["worker_layer_loads"],
            "worker_layer_loads_replicas": rep["worker_layer_loads"], "batch": args.batch, "tokens": args.tokens,
-           "lend_idle_cores": not args.no_lend_idle_cores, "busy_fractions": both.get("trace")}
+           "lend_idle_cores": not args.no_lend_idle_cores, "busy_fractions": both.get("trace"),
+           "capacity_factor": args.capacity_factor, "on_overflow": args.on_overflow,
+           "capacity_counters": {name: {k: both[name][k] for k in ("capacity_dropped", "second_pass_rows")}
+                                 | {"pairs_routed": sum(both[name]["worker_loads"])} for name in ("no_replicas", "replicas")}}
     print(f"{'':<14} {'decode tok/s':>12} {'TBT ms':>8} {'max/mean load':>14}  worker loads (pairs)")
     for name, r in (("no replicas", no), ("replicas", rep)):
         print(f"{name:<14} {r['decode_tok_s']:>12.1f} {r['tbt_ms']:>8.2f} {r['max_mean_load']:>14.2f}  {r['worker_loads']}")
@@ -187,6 +207,10 @@ def main() -> None:
           f"median {res['round_ratio_median']:.2f}x, replicas faster in {sum(r > 1 for r in ratios)}/{len(ratios)}; "
           f"greedy outputs identical: {res['outputs_identical']}")
     print(f"replica placement (layer 0, per worker): {rep['placement_layer0']}")
+    if args.capacity_factor is not None:
+        for name, c in res["capacity_counters"].items():
+            print(f"capacity {args.capacity_factor} ({args.on_overflow}), {name}: {c['capacity_dropped']} pairs dropped, "
+                  f"{c['second_pass_rows']} rows in a second pass, {c['pairs_routed']} pairs computed (median window)")
     for name, workers in (both.get("trace") or {}).items():
         print(f"busy fractions, {name}: " + "; ".join(f"{w} {kinds}" for w, kinds in sorted(workers.items())))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

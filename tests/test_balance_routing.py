@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from afdserve.balance.placement import EMPTY, LayerPlacement, round_robin_layer
 from afdserve.balance.planners import plan_janus, plan_megascale
-from afdserve.balance.routing import activated_per_worker, route_replicas, tokens_per_worker
+from afdserve.balance.routing import activated_per_worker, route_replicas, route_replicas_device, tokens_per_worker
 from afdserve.balance.synthetic import SyntheticRouting
 from afdserve.errors import ConfigError
 
@@ -119,3 +119,17 @@ def test_bad_input():
     with pytest.raises(ConfigError, match="no replica"):
         route_replicas(torch.tensor([[0]]), LayerPlacement(4, ((0, 1), (2, EMPTY))))
     assert route_replicas(torch.zeros(0, 2, dtype=torch.int64), lp).shape == (0, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(placed_batches(), st.booleans())
+def test_the_device_routing_is_the_host_routing(case, skew):
+    """route_replicas_device (tensor ops, no host read) chooses as route_replicas does, step for
+    step of the greedy, on uniform and on skewed batches (ties between replicas included)."""
+    lp, ids = case
+    if skew and ids.numel():  # most tokens on the lowest experts: counts tie and differ more
+        ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(ids.numel())) < 0.7,
+                          ids % max(1, min(3, lp.num_experts)), ids)
+        ids = torch.stack([r if len(set(r.tolist())) == len(r) else torch.arange(len(r)) for r in ids]) \
+            if ids.shape[1] <= lp.num_experts else ids
+    assert torch.equal(route_replicas_device(ids, lp), route_replicas(ids, lp))
