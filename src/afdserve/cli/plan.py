@@ -6,6 +6,7 @@ Examples::
     afdserve plan --model dbrx --attention-gpus H20,A800 --expert-gpus L40S,A800 --json plans.json --plot plans.png
     afdserve plan --compare-hetero              # every preset: best hetero pair vs best homogeneous
     afdserve plan --list-gpus
+    afdserve plan kv [--model FOLDER] [--kv-cache-gb 1] [--prompt-tokens 4096,32768]   # KV capacity
 
 The main CLI registers this module with ``add_parser(subparsers)`` and dispatches to ``main(args)``;
 ``main`` also takes an argv list.
@@ -55,6 +56,9 @@ def _names(text: str) -> list[str]:
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("report", nargs="?", choices=["kv"],
+                   help="kv: the KV cache's capacity for --model (a model folder; default the demo model): bytes "
+                        "per token, tokens per attention worker, context-parallel ranks per prompt length")
     what = p.add_argument_group("what to plan")
     what.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a HF config.json / model folder")
     what.add_argument("--gpus", type=_names, help="homogeneous plans on each of these GPUs (comma-separated)")
@@ -104,6 +108,19 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="per-message latency for the estimated Util curve (default 0: ideal)",
     )
 
+    kv = p.add_argument_group("plan kv")
+    kv.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache per attention worker, GiB (default 1.0)")
+    kv.add_argument("--num-kv-blocks", type=int, help="blocks per attention worker (overrides --kv-cache-gb)")
+    kv.add_argument("--block-size", type=int, default=16)
+    kv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype, which its KV cache is stored in (default float32; presets bfloat16)")
+    kv.add_argument("--kv-cache-dtype", type=_names, default=None,
+                    help="KV dtypes to report (default: --dtype and fp8_e4m3, the latter a projection)")
+    kv.add_argument("--prompt-tokens", type=_ints, default=(4096, 32768, 131072, 1048576),
+                    help="prompt lengths to report CP ranks for (default 4096,32768,131072,1048576)")
+    kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="tokens of a step (with sliding windows: what a sequence holds beyond its window)")
+
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     out.add_argument("--matrix", action="store_true", help="also print the best value for every GPU pair")
@@ -150,7 +167,36 @@ def _gpus(cat: Catalog, names: Sequence[str] | None) -> list[GPUSpec] | None:
     return None if names is None else [cat.get(n) for n in names]
 
 
+def run_kv(args: argparse.Namespace) -> int:
+    """``afdserve plan kv``: the report of ``planner.kv_capacity``."""
+    from afdserve.engine.builder import resolve_model
+    from afdserve.model.config import ModelConfig
+    from afdserve.planner.kv_capacity import KVShape, capacity_table, kv_capacity
+
+    if args.model in PRESETS:
+        shape = KVShape.of(load_model_spec(args.model))
+    else:  # a model folder (or its config.json); none: the demo model
+        path = None if args.model is None else Path(args.model)
+        folder = resolve_model(None if path is None else str(path.parent if path.name == "config.json" else path))
+        shape = KVShape.of(ModelConfig.from_pretrained(folder), str(folder))
+    dtypes = args.kv_cache_dtype or [args.dtype or ("bfloat16" if args.model in PRESETS else "float32"), "fp8_e4m3"]
+    caps = [kv_capacity(shape, d, args.block_size, args.kv_cache_gb, args.num_kv_blocks, args.max_num_batched_tokens)
+            for d in dtypes]
+    print(capacity_table(shape, caps, list(args.prompt_tokens)))
+    if args.json:
+        rows = [{"dtype": c.dtype, "bytes_per_token": c.bytes_per_token, "bytes_per_block": c.bytes_per_block,
+                 "blocks_per_worker": c.num_blocks, "tokens_per_worker": c.tokens_per_worker,
+                 "projection": c.dtype == "fp8_e4m3",
+                 "cp_ranks": {str(n): c.cp_ranks(n) for n in args.prompt_tokens}} for c in caps]
+        args.json.write_text(json.dumps({"model": shape.name, "block_size": args.block_size, "kv": rows}, indent=2)
+                             + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "report", None) == "kv":
+        return run_kv(args)
     cat = load_catalog(args.catalog)
     if args.list_gpus:
         print(gpu_table(cat))

@@ -1,0 +1,122 @@
+"""KV capacity: bytes per token of a model's paged KV cache, the tokens one attention worker holds,
+and how many context-parallel ranks a prompt needs (``afdserve plan kv``).
+
+The same arithmetic as the engine's allocation (``engine.builder.kv_blocks``, ``KVCache``): every
+layer keeps K and V of ``num_kv_heads x head_dim`` per token, or MLA's latent (``kv_latent_dim``);
+a worker's cache is ``kv_cache_gb`` split into blocks of ``block_size`` tokens (or
+``num_kv_blocks``); a sequence holds one block per ``block_size`` tokens, except where every layer
+has a sliding window: then the blocks out of the window go back and a sequence holds at most the
+window plus one step's tokens. ``fp8_e4m3`` is a projection (one byte per element plus a float32
+scale per block and head, as vLLM stores it): the engine does not store FP8 KV yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from afdserve.errors import ConfigError
+from afdserve.model.config import ModelConfig
+from afdserve.planner.spec import ModelSpec
+
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
+SCALE_BYTES = 4  # fp8: a float32 scale per block and KV head (per block for MLA's latent)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a model's KV cache stores per token: the engine's checkpoint config or a planner preset."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    latent_dim: int = 0  # MLA: values cached per token and layer (0: K and V per head)
+    window: int = 0  # every layer's sliding window (0: some layer attends to everything)
+
+    @staticmethod
+    def of(model: ModelConfig | ModelSpec, name: str = "") -> "KVShape":
+        if isinstance(model, ModelSpec):  # presets carry no windows
+            latent = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim if model.mla is not None else 0
+            return KVShape(name or model.name, model.num_layers, model.num_kv_heads, model.head_dim, latent)
+        return KVShape(name, model.num_layers, model.num_kv_heads, model.head_dim, model.kv_latent_dim,
+                       model.kv_window)
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    dtype: str
+    block_size: int
+    num_layers: int
+    elements_per_token_layer: int  # 2 x kv heads x head_dim, or the latent width
+    scales_per_block_layer: int  # fp8: scales per block and layer (0 otherwise)
+    num_blocks: int  # per attention worker
+    window: int  # every layer's sliding window (0: some layer attends to everything)
+    max_num_batched_tokens: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        per_layer = self.block_size * self.elements_per_token_layer * KV_DTYPE_BYTES[self.dtype]
+        return self.num_layers * (per_layer + self.scales_per_block_layer * SCALE_BYTES)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    @property
+    def tokens_per_worker(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks one sequence of ``tokens`` tokens holds at most (as the engine frees them)."""
+        need = -(-tokens // self.block_size)
+        if self.window:
+            need = min(need, -(-(self.window + max(self.max_num_batched_tokens, 1)) // self.block_size) + 1)
+        return need
+
+    def cp_ranks(self, tokens: int) -> int:
+        """Attention workers whose caches together hold one prompt of ``tokens`` tokens (its KV
+        split evenly over the ranks, as context parallelism shards it)."""
+        return max(1, math.ceil(self.blocks_for(tokens) / max(self.num_blocks, 1)))
+
+
+def kv_capacity(model: ModelConfig | ModelSpec | KVShape, dtype: str, block_size: int = 16,
+                kv_cache_gb: float | None = 1.0, num_kv_blocks: int | None = None,
+                max_num_batched_tokens: int = 2048) -> KVCapacity:
+    """The capacity of one attention worker's cache for ``model`` stored in ``dtype``."""
+    cfg = model if isinstance(model, KVShape) else KVShape.of(model)
+    if dtype not in KV_DTYPE_BYTES:
+        raise ConfigError(f"unknown KV cache dtype {dtype!r}; use {', '.join(KV_DTYPE_BYTES)}")
+    if block_size < 1 or (num_kv_blocks is None and not (kv_cache_gb and kv_cache_gb > 0)):
+        raise ConfigError("block_size must be >= 1, and the cache needs kv_cache_gb > 0 or num_kv_blocks >= 1")
+    latent = cfg.latent_dim
+    per_token = latent if latent else 2 * cfg.num_kv_heads * cfg.head_dim
+    scales = (1 if latent else 2 * cfg.num_kv_heads) if dtype == "fp8_e4m3" else 0
+    cap = KVCapacity(dtype, block_size, cfg.num_layers, per_token, scales, 0, cfg.window, max_num_batched_tokens)
+    blocks = num_kv_blocks if num_kv_blocks is not None else int(kv_cache_gb * 2**30 // cap.bytes_per_block)
+    return KVCapacity(dtype, block_size, cfg.num_layers, per_token, scales, blocks, cfg.window,
+                      max_num_batched_tokens)
+
+
+def capacity_table(cfg: KVShape, caps: list[KVCapacity], prompts: list[int]) -> str:
+    """The report: per dtype, bytes per token and tokens per worker; per prompt length, the blocks
+    one sequence holds and the CP ranks it needs in each dtype."""
+    c0 = caps[0]
+    layout = (f"MLA latent of {cfg.latent_dim}" if cfg.latent_dim
+              else f"K and V of {cfg.num_kv_heads} heads x {cfg.head_dim}")
+    lines = [f"KV cache of {cfg.name}: {cfg.num_layers} layers, {layout} per token and layer; blocks of {c0.block_size} tokens"
+             + (f"; every layer windowed to {c0.window} tokens" if c0.window else "")]
+    lines.append(f"{'KV dtype':<12} {'bytes/token':>12} {'bytes/block':>12} {'blocks/worker':>14} {'tokens/worker':>14}")
+    for c in caps:
+        mark = "*" if c.dtype == "fp8_e4m3" else ""
+        lines.append(f"{c.dtype + mark:<12} {c.bytes_per_token:>12,.1f} {c.bytes_per_block:>12,} {c.num_blocks:>14,} "
+                     f"{c.tokens_per_worker:>14,}")
+    if prompts:
+        lines.append("")
+        lines.append(f"{'prompt tokens':>13} {'blocks':>8} " + " ".join(f"{'CP ranks ' + c.dtype:>18}" for c in caps))
+        for n in prompts:
+            lines.append(f"{n:>13,} {c0.blocks_for(n):>8,} " + " ".join(f"{c.cp_ranks(n):>18}" for c in caps))
+    if any(c.dtype == "fp8_e4m3" for c in caps):
+        lines.append("* a projection: one byte per element and a float32 scale per block and KV head; "
+                     "the engine stores float32, bfloat16 or float16 KV")
+    return "\n".join(lines)
