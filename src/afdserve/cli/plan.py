@@ -182,7 +182,7 @@ def run_kv(args: argparse.Namespace) -> int:
     dtypes = args.kv_cache_dtype or [args.dtype or ("bfloat16" if args.model in PRESETS else "float32"), "fp8_e4m3"]
     caps = [kv_capacity(shape, d, args.block_size, args.kv_cache_gb, args.num_kv_blocks, args.max_num_batched_tokens)
             for d in dtypes]
-    print(capacity_table(shape, caps, list(args.prompt_tokens)))
+    print(capacity_table(caps, list(args.prompt_tokens)))
     if args.json:
         rows = [{"dtype": c.dtype, "bytes_per_token": c.bytes_per_token, "bytes_per_block": c.bytes_per_block,
                  "blocks_per_worker": c.num_blocks, "tokens_per_worker": c.tokens_per_worker,

@@ -50,9 +50,7 @@ def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
     per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                                         cfg.block_size, parse_dtype(cfg.dtype), model_cfg.kv_latent_dim)
     n = cfg.num_kv_blocks or int(cfg.kv_cache_gb * 2**30 // per_block)
-    need = -(-max_len // cfg.block_size)
-    if model_cfg.kv_window:  # blocks out of every layer's window go back: a sequence holds fewer
-        need = min(need, -(-(model_cfg.kv_window + max(cfg.max_num_batched_tokens, 1)) // cfg.block_size) + 1)
+    need = KVCache.sequence_blocks(max_len, cfg.block_size, model_cfg.kv_window, cfg.max_num_batched_tokens)
     if n < need:
         field = "num_kv_blocks" if cfg.num_kv_blocks else "kv_cache_gb"
         raise ConfigError(

@@ -85,3 +85,13 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         per_token = latent_dim if latent_dim else 2 * num_kv_heads * head_dim
         return num_layers * block_size * per_token * elem
+
+    @staticmethod
+    def sequence_blocks(tokens: int, block_size: int, window: int = 0, step_tokens: int = 1) -> int:
+        """Blocks one sequence of ``tokens`` tokens holds at most. With every layer windowed to
+        ``window`` tokens, the blocks out of the window go back: a sequence then holds the window
+        plus one step's ``step_tokens``, and a block more."""
+        need = -(-tokens // block_size)
+        if window:
+            need = min(need, -(-(window + max(step_tokens, 1)) // block_size) + 1)
+        return need

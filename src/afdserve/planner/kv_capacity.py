@@ -13,13 +13,18 @@ scale per block and head, as vLLM stores it): the engine does not store FP8 KV y
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from afdserve.errors import ConfigError
+from afdserve.kvcache.cache import KVCache
 from afdserve.model.config import ModelConfig
 from afdserve.planner.spec import ModelSpec
 
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}
+# the dtypes the report knows, and the one byte per element FP8 would take (a projection: see above)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_BYTES = 4  # fp8: a float32 scale per block and KV head (per block for MLA's latent)
 
 
@@ -45,19 +50,20 @@ class KVShape:
 
 @dataclass(frozen=True)
 class KVCapacity:
+    shape: KVShape
     dtype: str
     block_size: int
-    num_layers: int
-    elements_per_token_layer: int  # 2 x kv heads x head_dim, or the latent width
-    scales_per_block_layer: int  # fp8: scales per block and layer (0 otherwise)
     num_blocks: int  # per attention worker
-    window: int  # every layer's sliding window (0: some layer attends to everything)
     max_num_batched_tokens: int
 
     @property
     def bytes_per_block(self) -> int:
-        per_layer = self.block_size * self.elements_per_token_layer * KV_DTYPE_BYTES[self.dtype]
-        return self.num_layers * (per_layer + self.scales_per_block_layer * SCALE_BYTES)
+        """The engine's ``KVCache.bytes_per_block``, plus fp8's scales."""
+        m = self.shape
+        data = KVCache.bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size,
+                                       KV_DTYPES[self.dtype], m.latent_dim)
+        scales = (1 if m.latent_dim else 2 * m.num_kv_heads) if self.dtype == "fp8_e4m3" else 0
+        return data + m.num_layers * scales * SCALE_BYTES
 
     @property
     def bytes_per_token(self) -> float:
@@ -68,11 +74,8 @@ class KVCapacity:
         return self.num_blocks * self.block_size
 
     def blocks_for(self, tokens: int) -> int:
-        """Blocks one sequence of ``tokens`` tokens holds at most (as the engine frees them)."""
-        need = -(-tokens // self.block_size)
-        if self.window:
-            need = min(need, -(-(self.window + max(self.max_num_batched_tokens, 1)) // self.block_size) + 1)
-        return need
+        """Blocks one sequence of ``tokens`` tokens holds at most (``KVCache.sequence_blocks``)."""
+        return KVCache.sequence_blocks(tokens, self.block_size, self.shape.window, self.max_num_batched_tokens)
 
     def cp_ranks(self, tokens: int) -> int:
         """Attention workers whose caches together hold one prompt of ``tokens`` tokens (its KV
@@ -83,29 +86,28 @@ class KVCapacity:
 def kv_capacity(model: ModelConfig | ModelSpec | KVShape, dtype: str, block_size: int = 16,
                 kv_cache_gb: float | None = 1.0, num_kv_blocks: int | None = None,
                 max_num_batched_tokens: int = 2048) -> KVCapacity:
-    """The capacity of one attention worker's cache for ``model`` stored in ``dtype``."""
-    cfg = model if isinstance(model, KVShape) else KVShape.of(model)
-    if dtype not in KV_DTYPE_BYTES:
-        raise ConfigError(f"unknown KV cache dtype {dtype!r}; use {', '.join(KV_DTYPE_BYTES)}")
+    """The capacity of one attention worker's cache for ``model`` stored in ``dtype`` (its blocks as
+    ``engine.builder.kv_blocks`` counts them)."""
+    if dtype not in KV_DTYPES:
+        raise ConfigError(f"unknown KV cache dtype {dtype!r}; use {', '.join(KV_DTYPES)}")
     if block_size < 1 or (num_kv_blocks is None and not (kv_cache_gb and kv_cache_gb > 0)):
         raise ConfigError("block_size must be >= 1, and the cache needs kv_cache_gb > 0 or num_kv_blocks >= 1")
-    latent = cfg.latent_dim
-    per_token = latent if latent else 2 * cfg.num_kv_heads * cfg.head_dim
-    scales = (1 if latent else 2 * cfg.num_kv_heads) if dtype == "fp8_e4m3" else 0
-    cap = KVCapacity(dtype, block_size, cfg.num_layers, per_token, scales, 0, cfg.window, max_num_batched_tokens)
+    shape = model if isinstance(model, KVShape) else KVShape.of(model)
+    cap = KVCapacity(shape, dtype, block_size, 0, max_num_batched_tokens)
     blocks = num_kv_blocks if num_kv_blocks is not None else int(kv_cache_gb * 2**30 // cap.bytes_per_block)
-    return KVCapacity(dtype, block_size, cfg.num_layers, per_token, scales, blocks, cfg.window,
-                      max_num_batched_tokens)
+    return replace(cap, num_blocks=blocks)
 
 
-def capacity_table(cfg: KVShape, caps: list[KVCapacity], prompts: list[int]) -> str:
-    """The report: per dtype, bytes per token and tokens per worker; per prompt length, the blocks
-    one sequence holds and the CP ranks it needs in each dtype."""
+def capacity_table(caps: list[KVCapacity], prompts: list[int]) -> str:
+    """The report (``caps``: one model in several dtypes): per dtype, bytes per token and tokens per
+    worker; per prompt length, the blocks one sequence holds and the CP ranks it needs in each dtype."""
     c0 = caps[0]
+    cfg = c0.shape
     layout = (f"MLA latent of {cfg.latent_dim}" if cfg.latent_dim
               else f"K and V of {cfg.num_kv_heads} heads x {cfg.head_dim}")
-    lines = [f"KV cache of {cfg.name}: {cfg.num_layers} layers, {layout} per token and layer; blocks of {c0.block_size} tokens"
-             + (f"; every layer windowed to {c0.window} tokens" if c0.window else "")]
+    lines = [f"KV cache of {cfg.name}: {cfg.num_layers} layers, {layout} per token and layer; "
+             f"blocks of {c0.block_size} tokens"
+             + (f"; every layer windowed to {cfg.window} tokens" if cfg.window else "")]
     lines.append(f"{'KV dtype':<12} {'bytes/token':>12} {'bytes/block':>12} {'blocks/worker':>14} {'tokens/worker':>14}")
     for c in caps:
         mark = "*" if c.dtype == "fp8_e4m3" else ""
