@@ -11,6 +11,7 @@ from afdserve.errors import ConfigError
 
 
 BACKENDS = ("auto", "cpu", "torch")  # afdserve.backends.NAMES
+OVERFLOW_POLICIES = ("second-pass", "drop")  # tokens over an expert worker's capacity (afdserve.runtime.dispatch)
 MAX_POOL_WORKERS = 64  # workers per pool (attention, expert) that a deployment or a resize may ask for
 
 
@@ -50,6 +51,11 @@ def micro_batch_sizes(tokens: int, micro_batches: int) -> list[int]:
     m = max(1, min(micro_batches, tokens))
     bounds = [round(tokens * i / m) for i in range(m + 1)]
     return [bounds[i + 1] - bounds[i] for i in range(m)]
+
+
+def is_capacity_factor(f: object) -> bool:
+    """A valid ``expert_capacity_factor``: a finite number > 0 (None, no limit, is checked apart)."""
+    return isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < float("inf")
 
 
 def is_device_name(name: object) -> bool:
@@ -156,11 +162,10 @@ class EngineConfig:
               "must be > 0")
         check("on_expert_loss", self.on_expert_loss in ("wait", "drop"), "use 'wait' or 'drop'")
         f = self.expert_capacity_factor
-        check("expert_capacity_factor", f is None or (isinstance(f, (int, float)) and not isinstance(f, bool)
-              and 0 < f < float("inf")), "must be a number > 0 (or unset: no limit)")
+        check("expert_capacity_factor", f is None or is_capacity_factor(f), "must be a number > 0 (or unset: no limit)")
         check("expert_capacity_factor", f is None or self.gate == "attention",
               "applies to the attention-side gate's dispatch; with gate='expert' every expert worker gets every token")
-        check("on_expert_overflow", self.on_expert_overflow in ("drop", "second-pass"), "use 'drop' or 'second-pass'")
+        check("on_expert_overflow", self.on_expert_overflow in OVERFLOW_POLICIES, "use 'drop' or 'second-pass'")
         check("lend_idle_cores", isinstance(self.lend_idle_cores, bool), "must be true or false")
         check("heartbeat_timeout_ms", isinstance(self.heartbeat_timeout_ms, (int, float))
               and self.heartbeat_timeout_ms >= 100, "must be >= 100")

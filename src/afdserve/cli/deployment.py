@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from afdserve.cluster import resolve_deployment
-from afdserve.config import EngineConfig
+from afdserve.config import OVERFLOW_POLICIES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--expert-capacity-factor", type=float, default=None, metavar="F",
                    help="attention-side gate: each expert worker's slot per micro-batch holds F x the tokens it "
                         "gets when routing is uniform (default: every token; outputs never change)")
-    d.add_argument("--on-expert-overflow", default="second-pass", choices=["second-pass", "drop"],
+    d.add_argument("--on-expert-overflow", default="second-pass", choices=OVERFLOW_POLICIES,
                    help="tokens beyond an expert worker's capacity: sent in a second round (outputs unchanged) "
                         "or dropped for that worker's experts (top-k weights rescaled over the rest, counted in "
                         "/metrics)")

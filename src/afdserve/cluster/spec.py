@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from afdserve.config import is_device_name
+from afdserve.config import OVERFLOW_POLICIES, is_capacity_factor, is_device_name
 from afdserve.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -127,9 +127,9 @@ class DeploymentSpec:
         if self.on_expert_loss is not None and self.on_expert_loss not in ("wait", "drop"):
             raise bad("on_expert_loss", self.on_expert_loss, "use 'wait' or 'drop'")
         f = self.expert_capacity_factor
-        if f is not None and (not is_num(f) or not 0 < f < float("inf")):
+        if f is not None and not is_capacity_factor(f):
             raise bad("expert_capacity_factor", f, "must be a number > 0")
-        if self.on_expert_overflow is not None and self.on_expert_overflow not in ("drop", "second-pass"):
+        if self.on_expert_overflow is not None and self.on_expert_overflow not in OVERFLOW_POLICIES:
             raise bad("on_expert_overflow", self.on_expert_overflow, "use 'drop' or 'second-pass'")
         if not is_num(self.placement_timeout_s) or self.placement_timeout_s <= 0:
             raise bad("placement_timeout_s", self.placement_timeout_s, "must be > 0 seconds")

@@ -20,7 +20,6 @@ import time
 from functools import partial
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -166,7 +165,7 @@ class TorchRecvChannel(RecvChannel, _TorchEnd):
         k = self.next_seq
         s = k % self.num_slots
         try:
-            h = decode(np.frombuffer(bytes(self._inbox[:HEADER_BYTES]), dtype=np.uint8))
+            h = decode(self._inbox)
         except ValueError as e:
             self._poison(PeerDeadError, f"protocol error: {e}")
             self.check()

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from afdserve.config import OVERFLOW_POLICIES, is_capacity_factor
 from afdserve.errors import ConfigError
 from afdserve.runtime.expert_map import ExpertMap
-
-OVERFLOW_POLICIES = ("drop", "second-pass")
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Capacity:
 
     def __post_init__(self) -> None:
         f = self.factor
-        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not f > 0 or math.isinf(f)):
+        if f is not None and not is_capacity_factor(f):
             raise ConfigError(f"invalid expert_capacity_factor={f!r}: must be a number > 0 (or None: no limit)")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ConfigError(f"invalid on_expert_overflow={self.overflow!r}: use 'drop' or 'second-pass'")
@@ -65,13 +64,14 @@ class Dispatcher:
                  device: torch.device):
         self.num_experts, self.top_k, self.capacity, self.device = num_experts, top_k, capacity, device
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)
+        self.per_worker = torch.zeros(expert_map.num_workers, dtype=torch.int64, device=device)  # rows sent so far
         self.set_map(expert_map, None)
 
     def set_map(self, expert_map: ExpertMap, lost: torch.Tensor | None) -> None:
         """The map to route by; ``lost`` bool [L, E]: experts no live worker holds (their pairs are
         dropped, the tokens' other weights rescaled), or None."""
         n = expert_map.num_workers
-        if getattr(self, "map", None) is None or n != self.map.num_workers:  # new or resized: counted anew
+        if n != self.per_worker.numel():  # the expert pool was resized: counted anew
             self.per_worker = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.map, self.n = expert_map, n
         self._workers = torch.arange(n, device=self.device).view(n, 1, 1)
@@ -84,6 +84,15 @@ class Dispatcher:
         # per layer, the workers that get a message: those holding some of its experts (not a missing one)
         self._to = [[j for j, h in enumerate(counts) if h > 0] for counts in held]
         self._caps: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+    def whole(self, layer: int, t: int) -> bool:
+        """Does one worker take the layer's ``t`` tokens as they are (it holds every expert, none is
+        missing, no capacity binds)? Then no plan is needed (``sent_whole``)."""
+        return self.n == 1 and self.lost is None and self.caps(layer, t)[1] is None
+
+    def sent_whole(self, t: int) -> None:
+        """Counts ``t`` rows sent to every worker without a plan (one worker, or the expert-side gate)."""
+        self.per_worker += t
 
     def caps(self, layer: int, t: int) -> tuple[int, torch.Tensor | None]:
         """(the slot rows ``C`` = the largest capacity, per destination capacities [N, 1] or None:

@@ -72,7 +72,7 @@ class ExpertMap:
     def held_counts(self, layer: int) -> list[int]:
         """Per worker, the distinct logical experts it holds in ``layer``."""
         lp = self.placement.layers[layer]
-        return [len({e for e in s if e != EMPTY}) for s in lp.slots]
+        return [len(lp.experts_on(w)) for w in range(lp.num_workers)]
 
     def without(self, workers: set[int]) -> "ExpertMap":
         """This map while ``workers`` are missing: they hold nothing (their slots empty), so a

@@ -76,6 +76,7 @@ class PipelinedRunner:
         # the plan of each layer's dispatch, on the model's device; counts what it sent and dropped
         self.dispatcher = Dispatcher(expert_map, model.cfg.num_experts, model.cfg.top_k, capacity or Capacity(),
                                      model.device)
+        self._counted = [0, 0, 0]  # the dispatcher's counters at the last ``counts``
         # per expert worker: the replies due, by layer key; a worker may answer the dispatches of
         # different lanes out of order (it merges the same layer's tokens)
         self._expect: dict[int, dict[LayerKey, tuple[Dispatch, Part]]] = {}
@@ -96,7 +97,7 @@ class PipelinedRunner:
         worker, those dropped over capacity and the rows sent in second passes, since the last call
         (read from the device: call it after a step, not inside one)."""
         per, now = self.dispatcher.read()
-        last, self._counted = getattr(self, "_counted", [0, 0, 0]), now
+        last, self._counted = self._counted, now
         return per, [a - b for a, b in zip(now, last)]
 
     # ---- replies --------------------------------------------------------------------------------
@@ -216,14 +217,14 @@ class PipelinedRunner:
             if self.gate == GATE_EXPERT:  # every expert worker gets every token and routes itself
                 for j in range(self.map.num_workers):
                     self._send(d, d.key, j, None, y, None, None)
-                self.dispatcher.per_worker += y.shape[0]
+                self.dispatcher.sent_whole(y.shape[0])
                 return d
             if self.tracker is not None:
                 self.tracker.record(layer, ids)
             t = y.shape[0]
-            if self.map.num_workers == 1 and self.dispatcher.lost is None and self.dispatcher.caps(layer, t)[1] is None:
-                self._send(d, d.key, 0, None, y, ids.to(torch.int32), w)  # one worker holds every expert: no gather
-                self.dispatcher.per_worker += t
+            if self.dispatcher.whole(layer, t):  # one worker holds every expert: all tokens, no gather
+                self._send(d, d.key, 0, None, y, ids.to(torch.int32), w)
+                self.dispatcher.sent_whole(t)
                 return d
             rounds, _ = self.dispatcher.plan(layer, ids, w)
             for part, r in enumerate(rounds):
