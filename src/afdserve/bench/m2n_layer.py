@@ -72,8 +72,7 @@ def _comm(spec: _Spec):
                      connect_timeout_s=120.0, device=o.device)
     me = f"{spec.role[0]}{spec.index}"
     comm = Communicator(me, store, cfg, group=spec.group)
-    peers = [f"{'e' if spec.role == 'attention' else 'a'}{i}" for i in range(spec.n if spec.role == "attention"
-                                                                            else spec.m)]
+    peers = [f"e{j}" for j in range(spec.n)] if spec.role == "attention" else [f"a{i}" for i in range(spec.m)]
     comm.connect(send_to=peers, recv_from=peers)
     return comm, peers
 
