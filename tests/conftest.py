@@ -6,6 +6,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the triton attention backend's kernels run on CPU tensors through Triton's interpreter, which
+# triton fixes when it is imported (transformers may import it): set before anything imports it
+import torch  # noqa: E402  (torch does not import triton)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import ARCHS, make_checkpoint, make_tool_checkpoint  # noqa: E402
 

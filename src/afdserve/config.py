@@ -10,7 +10,7 @@ from pathlib import Path
 from afdserve.errors import ConfigError
 
 
-BACKENDS = ("auto", "cpu", "torch")  # afdserve.backends.NAMES
+BACKENDS = ("auto", "cpu", "torch", "triton")  # afdserve.backends.NAMES
 OVERFLOW_POLICIES = ("second-pass", "drop")  # tokens over an expert worker's capacity (afdserve.runtime.dispatch)
 MAX_POOL_WORKERS = 64  # workers per pool (attention, expert) that a deployment or a resize may ask for
 

@@ -2,7 +2,9 @@
 
 * ``torch`` (``afdserve.backends.pytorch``): device-agnostic PyTorch -- what CUDA runs, and a CPU
   without afdserve's kernels;
-* ``cpu`` (``afdserve.backends.cpu``): afdserve's C++ kernels, built once per machine.
+* ``cpu`` (``afdserve.backends.cpu``): afdserve's C++ kernels, built once per machine;
+* ``triton`` (``afdserve.backends.triton``, attention only): paged attention in Triton, compiled for
+  CUDA, interpreted on CPU tensors.
 
 The interfaces are in ``afdserve.backends.base``; a step's context in ``afdserve.backends.step``.
 """
@@ -16,7 +18,7 @@ import torch
 from afdserve.backends.base import AttentionBackend, LinearBackend, MoEBackend, NormBackend
 from afdserve.errors import ConfigError
 
-NAMES = ("auto", "cpu", "torch")
+NAMES = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -48,33 +50,45 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
            moe: str | None = None, latent: bool = False) -> Backends:
     """The backends of an engine on ``device`` computing in ``dtype``: ``backend`` for every component
     ("auto": cpu where the device is the CPU and the kernels run ``dtype`` here, else torch), with
-    ``attention`` / ``moe`` overriding it for theirs. ``latent``: the model uses MLA (the torch
-    attention backend runs it). An explicit choice that cannot run raises ConfigError saying why."""
+    ``attention`` / ``moe`` overriding it for theirs ("triton": attention only, the rest on torch).
+    ``latent``: the model uses MLA (the torch attention backend runs it). An explicit choice that cannot run raises ConfigError saying why."""
     device = torch.device(device)
     asked = {"attention": attention or backend, "moe": moe or backend, "linear": backend, "norm": backend}
     for part, name in asked.items():
         if name not in NAMES:
             raise ConfigError(f"invalid {part} backend {name!r}: use {', '.join(NAMES)}")
+    if moe == "triton":
+        raise ConfigError("invalid moe backend 'triton': triton is an attention backend (use auto, cpu or torch)")
+    asked = {part: "torch" if name == "triton" and part != "attention" else name for part, name in asked.items()}
     if device.type != "cpu":
         why = dict.fromkeys(asked, f"the device is {device}, not the CPU")
-    elif any(name != "torch" for name in asked.values()):
+    elif any(name not in ("torch", "triton") for name in asked.values()):
         why = _cpu_kernels(dtype)  # loads (first: builds) the kernels
     else:
         why = dict.fromkeys(asked, "")
+    if asked["attention"] == "triton":
+        from afdserve.backends.triton import unavailable_reason
+
+        why["attention"] = unavailable_reason(device)
     if latent:
         why["attention"] = why["attention"] or "MLA's latent attention runs on the torch backend"
     chosen = {}
     for part in ("linear", "norm", "moe", "attention"):
         name = asked[part]
+        if name == "triton":
+            if why[part]:
+                raise ConfigError(f"invalid {part} backend 'triton': {why[part]}")
+            chosen[part] = name
+            continue
         if part == "attention" and chosen["linear"] != "cpu":  # the fused half multiplies packed weights
             why[part] = why[part] or "the cpu attention backend needs the cpu linear backend"
         if name == "cpu" and why[part]:
             raise ConfigError(f"invalid {part} backend 'cpu': {why[part]}")
         chosen[part] = "cpu" if name == "cpu" or (name == "auto" and not why[part]) else "torch"
-    return _build(chosen)
+    return _build(chosen, device)
 
 
-def _build(names: dict[str, str]) -> Backends:
+def _build(names: dict[str, str], device: torch.device) -> Backends:
     from afdserve.backends.pytorch.attention import TorchAttention
     from afdserve.backends.pytorch.linear import TorchLinear
     from afdserve.backends.pytorch.moe import TorchMoE
@@ -86,7 +100,13 @@ def _build(names: dict[str, str]) -> Backends:
         from afdserve.backends.cpu.moe import CpuMoE
         from afdserve.backends.cpu.norm import CpuNorm
     norm = CpuNorm() if names["norm"] == "cpu" else TorchNorm()
-    return Backends(attention=CpuAttention() if names["attention"] == "cpu" else TorchAttention(norm),
+    if names["attention"] == "triton":
+        from afdserve.backends.triton.attention import TritonAttention
+
+        attention = TritonAttention(norm, device)
+    else:
+        attention = CpuAttention() if names["attention"] == "cpu" else TorchAttention(norm)
+    return Backends(attention=attention,
                     moe=CpuMoE() if names["moe"] == "cpu" else TorchMoE(),
                     linear=CpuLinear() if names["linear"] == "cpu" else TorchLinear(), norm=norm)
 

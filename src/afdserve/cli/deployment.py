@@ -25,10 +25,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "KV cache and step tensors")
     g.add_argument("--expert-device", default=None,
                    help="cpu, cuda or cuda:N for the expert workers (default: --device)")
-    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"],
+    g.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
                    help="the hot path's backends, chosen once per worker: cpu (afdserve's C++ kernels), torch "
-                        "(PyTorch, any device), auto (cpu where the kernels run the dtype on this CPU, else torch)")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "cpu", "torch"],
+                        "(PyTorch, any device), auto (cpu where the kernels run the dtype on this CPU, else torch), "
+                        "triton (Triton paged attention, the rest torch)")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "cpu", "torch", "triton"],
                    help="the attention backend (default: --backend)")
     g.add_argument("--moe-backend", default=None, choices=["auto", "cpu", "torch"],
                    help="the MoE experts' backend (default: --backend)")

@@ -108,10 +108,10 @@ class AttentionModel(nn.Module):
         return h, y, ids, w
 
     def compile_decode(self) -> None:
-        """Runs the attention half of decode steps through ``torch.compile`` (dynamic shapes: one
+        """Runs the attention half of decode steps through ``torch.compile`` (one graph, dynamic shapes: one
         compilation for every batch size, context length and layer, on the first decode step). A
         compilation that fails warns and the model stays eager. MLA layers stay eager."""
-        compiled = torch.compile(_half, dynamic=True)
+        compiled = torch.compile(_half, dynamic=True, fullgraph=True)
 
         def run(half, x, ctx, k_cache, v_cache):
             try:

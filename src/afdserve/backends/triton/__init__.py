@@ -1,0 +1,48 @@
+"""The ``triton`` attention backend: paged attention in Triton over the KV cache in place, compiled
+for CUDA devices and run by Triton's interpreter on CPU tensors (how CI tests it). Which of the two
+is decided once per process, before triton is imported (``load``): Triton fixes it when its own
+kernels are defined."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+from afdserve.errors import ConfigError
+
+
+def unavailable_reason(device: torch.device) -> str:
+    """Why the triton backend cannot run on ``device`` in this process ("" where it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if device.type not in ("cpu", "cuda"):
+        return f"the device is {device}: Triton runs CUDA devices (and CPU tensors, interpreted)"
+    if "triton" in sys.modules:
+        interpreted = _interpreted()
+        if interpreted != (device.type == "cpu"):
+            return (f"triton was imported {'interpreted' if interpreted else 'compiled'} in this process and {device} "
+                    f"needs it {'compiled' if interpreted else 'interpreted'} ("
+                    f"{'unset' if interpreted else 'set'} TRITON_INTERPRET=1 before triton is imported)")
+    return ""
+
+
+def load(device: torch.device) -> ModuleType:
+    """The kernels module for ``device``; on the CPU, Triton's interpreter (TRITON_INTERPRET=1 is set
+    for this process and the processes it starts, before triton is imported)."""
+    why = unavailable_reason(device)
+    if why:
+        raise ConfigError(f"invalid attention backend 'triton': {why}")
+    if device.type == "cpu" and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return importlib.import_module("afdserve.backends.triton.kernels")
+
+
+def _interpreted() -> bool:
+    import triton.language.standard as standard
+
+    return type(standard.cdiv).__name__ == "InterpretedFunction"
