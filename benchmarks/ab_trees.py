@@ -7,6 +7,7 @@ subprocess per deployment (JSON lines on stdin/stdout); greedy token ids of both
 
     python benchmarks/ab_trees.py --base REV [--new PATH_OR_REV] [--rounds 5] [--batches 8,64]
         [--prompt-len 32] [--max-tokens 64] [--deployments colocated,disagg] [--json out/ab_trees.json]
+        [--model PATH]
         [--threads N] [--new-options '{"compile": true}'] [--base-options '{...}'] [--fresh-prompts]
 
 Without ``--fresh-prompts`` every round sends the same prompts, so after the first round their
@@ -60,11 +61,12 @@ def worker(cfg: dict) -> None:
     from afdserve import LLM, SamplingParams
     from afdserve.model.demo import demo_model_path
 
-    model_cfg = json.loads((demo_model_path() / "config.json").read_text())
+    model = Path(cfg["model"]) if cfg.get("model") else demo_model_path()
+    model_cfg = json.loads((model / "config.json").read_text())
     vocab, max_b, block = model_cfg["vocab_size"], cfg["max_batch"], 16
     blocks = max(math.ceil(model_cfg["max_position_embeddings"] / block),  # one max-length sequence
                  max_b * (math.ceil((cfg["prompt_len"] + cfg["max_tokens"]) / block) + 1))
-    llm = LLM(None, cfg["dtype"], max_num_seqs=max_b, block_size=block, num_kv_blocks=blocks,
+    llm = LLM(cfg.get("model"), cfg["dtype"], max_num_seqs=max_b, block_size=block, num_kv_blocks=blocks,
               **DEPLOYMENTS[cfg["deployment"]] | cfg["options"])
 
     def generate(batch: int, max_tokens: int, seed: int) -> tuple[float, list[list[int]]]:
@@ -229,6 +231,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
     ap.add_argument("--deployments", default="colocated,disagg")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per engine start or command")
     ap.add_argument("--json", default="out/ab_trees.json")
@@ -264,7 +267,8 @@ def main() -> None:
                 options = ({"num_threads": args.threads} if args.threads else {}) \
                     | (args.new_options if side == "new" else args.base_options)
                 cfg = {"tree": str(tree), "deployment": dep, "dtype": args.dtype, "max_batch": max(batches),
-                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "options": options}
+                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "options": options,
+                       "model": args.model and str(Path(args.model).resolve())}
                 print(f"starting {side} {dep} ...", flush=True)
                 engines[side, dep] = Engine(f"{side}/{dep}", cfg, tmp / f"{side}-{dep}.log", args.timeout)
         imported = {f"{side}/{dep}": e.info for (side, dep), e in engines.items()}

@@ -7,7 +7,8 @@
 3. ``gemm``: the expert grouped GEMM (``model.experts.grouped_swiglu``, bf16) in TFLOP/s at the demo
    model's shapes and at a Mixtral-8x7B layer's, beside a dense 8192^3 bf16 product measured here.
 4. ``attention``: a decode batch through an attention layer (``AttentionPart.forward`` over the
-   paged KV cache), in GB/s of KV cache and weights read, beside a device-to-device copy measured here.
+   paged KV cache) on the torch and the triton attention backends, in GB/s of KV cache and weights
+   read, beside a device-to-device copy measured here; ``identity`` also runs colocated on triton.
 5. ``speed``: bf16 decode tok/s of the demo model's shapes (random weights) at batch 1, 64 and 256:
    transformers, afdserve colocated (with ``--compile`` also colocated with ``compile=True``) and
    afdserve 1 + 1 (m = 2), in alternating rounds, medians.
@@ -103,7 +104,10 @@ def identity(root: Path, archs: list[str]) -> dict:
     for arch in archs:
         path = checkpoint(root, arch)
         got = {}
-        for name, kw in (("colocated", {}), ("disaggregated 1+1 m=2", dict(expert_workers=1, micro_batches=2))):
+        runs = [("colocated", {}), ("disaggregated 1+1 m=2", dict(expert_workers=1, micro_batches=2))]
+        if not arch.startswith("deepseek"):  # MLA: the torch attention backend
+            runs.append(("colocated triton attention", dict(attention_backend="triton")))
+        for name, kw in runs:
             try:
                 got[name] = afd_greedy(path, prompts, 16, **kw)
             except Exception as e:  # noqa: BLE001 -- reported, the next deployment still runs
@@ -159,12 +163,6 @@ def gemm() -> dict:
 
 
 def attention() -> dict:
-    from afdserve.backends import choose
-    from afdserve.backends.step import StepBuffers, StepLayout
-    from afdserve.model.attention import AttentionPart
-    from afdserve.model.layers import prepare_all
-    from afdserve.model.rope import Rope
-
     res = {}
     n = 1 << 30
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -175,31 +173,46 @@ def attention() -> dict:
     for name, nh, nkv, hd, hidden, s, ctx in (("demo b256 ctx 96", 8, 2, 32, 256, 256, 96),
                                               ("mixtral b64 ctx 4096", 32, 8, 128, 4096, 64, 4096),
                                               ("mixtral b256 ctx 2048", 32, 8, 128, 4096, 256, 2048)):
-        cfg = _attn_cfg(hidden, nh, nkv, hd)
-        part = AttentionPart(cfg, torch.bfloat16).to("cuda")
-        for p in part.parameters():
-            p.data.normal_(0, 0.02)
-        backends = choose("cuda", torch.bfloat16)
-        prepare_all(part, backends)
-        part.bind(backends)
-        bs = 16
-        blocks = (ctx + bs - 1) // bs
-        perm = torch.randperm(s * blocks).view(s, blocks).tolist()  # scattered blocks, as after churn
-        k_cache = torch.randn(s * blocks * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-        layout = StepLayout.from_blocks([1] * s, [ctx] * s, perm, bs)
-        step = backends.attention.prepare(layout, (0,), StepBuffers("cuda"))
-        x = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
-        step.cos, step.sin = Rope.from_config({"rope_theta": cfg.rope_theta}, hd, ctx + 1).cos_sin(step.positions,
-                                                                                                   x.dtype)
-        t = cuda_time(lambda: part(x, step, k_cache, v_cache))
-        kv_bytes = 2 * s * ctx * nkv * hd * 2
-        w_bytes = sum(p.numel() * p.element_size() for p in part.parameters())
-        res[name] = {"ms": t * 1e3, "gbps": (kv_bytes + w_bytes) / t / 1e9, "kv_mib": kv_bytes / 2**20}
-        del k_cache, v_cache
+        for backend in ("torch", "triton"):  # the triton kernel reads the cache in place
+            try:
+                res[f"{name} {backend}"] = _attention_point(backend, nh, nkv, hd, hidden, s, ctx)
+            except Exception as e:  # noqa: BLE001 -- reported, the next point still runs
+                traceback.print_exc()
+                res[f"{name} {backend}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     for k, v in res.items():
-        print("  " + k.ljust(28) + "  ".join(f"{m} {x:,.2f}" for m, x in v.items()))
+        print("  " + k.ljust(34) + "  ".join(f"{m} {x:,.2f}" if isinstance(x, float) else f"{m} {x}"
+                                              for m, x in v.items()))
     return res
+
+
+def _attention_point(backend: str, nh: int, nkv: int, hd: int, hidden: int, s: int, ctx: int) -> dict:
+    from afdserve.backends import choose
+    from afdserve.backends.step import StepBuffers, StepLayout
+    from afdserve.model.attention import AttentionPart
+    from afdserve.model.layers import prepare_all
+    from afdserve.model.rope import Rope
+
+    cfg = _attn_cfg(hidden, nh, nkv, hd)
+    part = AttentionPart(cfg, torch.bfloat16).to("cuda")
+    for p in part.parameters():
+        p.data.normal_(0, 0.02)
+    backends = choose("cuda", torch.bfloat16, attention=backend)
+    prepare_all(part, backends)
+    part.bind(backends)
+    bs = 16
+    blocks = (ctx + bs - 1) // bs
+    perm = torch.randperm(s * blocks).view(s, blocks).tolist()  # scattered blocks, as after churn
+    k_cache = torch.randn(s * blocks * bs, nkv, hd, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    layout = StepLayout.from_blocks([1] * s, [ctx] * s, perm, bs)
+    step = backends.attention.prepare(layout, (0,), StepBuffers("cuda"))
+    x = torch.randn(s, hidden, device="cuda", dtype=torch.bfloat16)
+    step.cos, step.sin = Rope.from_config({"rope_theta": cfg.rope_theta}, hd, ctx + 1).cos_sin(step.positions,
+                                                                                               x.dtype)
+    t = cuda_time(lambda: part(x, step, k_cache, v_cache))
+    kv_bytes = 2 * s * ctx * nkv * hd * 2
+    w_bytes = sum(p.numel() * p.element_size() for p in part.parameters())
+    return {"ms": t * 1e3, "gbps": (kv_bytes + w_bytes) / t / 1e9, "kv_mib": kv_bytes / 2**20}
 
 
 def _attn_cfg(hidden: int, nh: int, nkv: int, hd: int):

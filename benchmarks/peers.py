@@ -5,6 +5,11 @@ each point with each engine's fraction of it (docs/performance.md).
 
     python benchmarks/peers.py [--install-vllm] [--batches 8,64] [--with-256] [--rounds 5]
                                [--out out/peers.json]   # also writes out/peers.png
+    python benchmarks/peers.py --host-model   # host work: a forward that costs almost nothing
+
+``--host-model`` runs a checkpoint whose forward costs almost nothing (Mixtral-shaped, 1 layer,
+hidden 64, 2 heads of 32, 4 experts, vocab 1,024, the demo's tokenizer) at batches 64 and 256,
+32-token prompts, 48 new tokens: whole ``generate`` throughput is then the engines' host work.
 
 vLLM runs from its own virtual environment (--vllm-venv, default .venv-vllm); --install-vllm
 creates it. Without it, vLLM is skipped with a message.
@@ -49,6 +54,23 @@ def install_vllm(venv: Path) -> None:
     subprocess.run(pip + ["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec", "triton"], check=True)
 
 
+HOST_MODEL = {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "head_dim": 32, "num_local_experts": 4, "intermediate_size": 128, "vocab_size": 1024,
+              "max_position_embeddings": 512}
+
+
+def host_model_path() -> Path:
+    """The host-work checkpoint (the demo model's files with HOST_MODEL's config), built once."""
+    from afdserve.config import cache_root
+    from afdserve.model.demo import build_demo_model
+
+    path = cache_root() / "host-model-v1"
+    if not (path / "config.json").is_file():
+        build_demo_model(path.with_name(path.name + ".tmp"), overrides=HOST_MODEL)
+        path.with_name(path.name + ".tmp").rename(path)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF checkpoint folder with a tokenizer (default: the demo model)")
@@ -70,11 +92,20 @@ def main() -> int:
                     help="VLLM_CPU_OMP_THREADS_BIND (default: all --cores cores, 0-N)")
     ap.add_argument("--load-timeout", type=float, default=900.0, help="seconds an engine may take to start")
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds one generate call may take")
+    ap.add_argument("--host-model", action="store_true",
+                    help="the host-work point: a near-free forward (HOST_MODEL), batches 64,256, 48 new tokens")
     ap.add_argument("--out", default="out/peers.json", help="JSON results; the PNG goes next to it")
     args = ap.parse_args()
 
     from afdserve.model.demo import demo_model_path
 
+    if args.host_model:
+        if args.model:
+            ap.error("--host-model builds its own checkpoint: no --model")
+        args.batches, args.with_256, args.new_tokens, args.prompt_len = "64,256", False, 48, 32
+        if args.out == "out/peers.json":
+            args.out = "out/peers_host.json"
+        args.model = str(host_model_path())
     model = str(Path(args.model).expanduser().resolve()) if args.model else str(demo_model_path())
     cfg = ModelConfig.from_pretrained(model)
     batches = [int(b) for b in args.batches.split(",")] + ([256] if args.with_256 else [])

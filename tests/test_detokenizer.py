@@ -88,3 +88,25 @@ def test_a_character_waits_for_its_last_byte_piece():
     d = IncrementalDetokenizer(tok, prompt)
     assert [d.step(t) for t in emoji] == ["", "", "", "🙂"]
     assert IncrementalDetokenizer(None, prompt).step(5) == ""
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_tokens_added_at_once_give_the_streamed_text(kind, tmp_path):
+    """``extend`` (a request whose text is read only when it finishes) returns what ``step`` over
+    each token would have, joined: in one call, for streams of stray byte pieces (garbled text)
+    too; in several, for text."""
+    if kind == "metaspace":
+        tok = _metaspace()
+    else:
+        write_tokenizer(tmp_path)
+        tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    rng = random.Random(1)
+    real = [tok.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    for n in range(400):
+        prompt = [rng.randrange(3, tok.get_vocab_size()) for _ in range(rng.randrange(1, 12))]
+        gen = rng.choice(real)[rng.randrange(0, 5):] if n % 2 else [
+            rng.randrange(3, tok.get_vocab_size()) for _ in range(rng.randrange(1, 40))]
+        cuts = sorted(rng.sample(range(len(gen) + 1), min(2, len(gen) + 1))) if n % 2 else []
+        d = IncrementalDetokenizer(tok, prompt)
+        at_once = "".join(d.extend(gen[a:b]) for a, b in zip([0] + cuts, cuts + [len(gen)]))
+        assert at_once == _streamed(tok, prompt, gen), (prompt, gen, cuts)

@@ -50,3 +50,22 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return new
         return ""
+
+    def extend(self, token_ids: list[int]) -> str:
+        """Adds tokens at once and returns what ``step`` over each would have, joined: one decode of
+        the window where its text is whole, token by token where it holds a replacement character
+        (byte pieces decode differently alone and in runs). A later call starts from a fresh window,
+        so for text that is not whole, what follows may differ from stepping (only the first call
+        is exact for garbled text: a request detokenized once, when it finishes)."""
+        if self.tok is None or not token_ids:
+            self.ids.extend(token_ids)
+            return ""
+        n = len(self.ids)
+        self.ids.extend(token_ids)
+        full = self._decode(self.ids[self.prefix_offset :])
+        if "\ufffd" in full:
+            del self.ids[n:]
+            return "".join([self.step(t) for t in token_ids])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        self.prefix_offset, self.read_offset = self._window_start(), len(self.ids)
+        return full[len(prefix) :]

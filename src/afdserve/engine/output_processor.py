@@ -30,6 +30,13 @@ class _Sequence:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    pending: list[int] = field(default_factory=list)  # tokens not detokenized yet (a deferred request's)
+
+    def flush(self) -> None:
+        """Detokenizes the pending tokens (one decode for all of them)."""
+        if self.pending:
+            self.text += self.detok.extend(self.pending)
+            self.pending = []
 
     def output(self, index: int) -> CompletionOutput:
         return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
@@ -48,6 +55,12 @@ class _Request:
     num_cached_tokens: int | None = None
     prefill: PrefillProgress | None = None
     final_only: bool = False  # one output, when it finishes (SamplingParams.output_kind)
+
+    @property
+    def deferred(self) -> bool:
+        """Its text is read only when it finishes and no stop string reads it before: detokenized
+        then, at once (``_Sequence.flush``), not token by token."""
+        return self.final_only and not self.stop
 
     def progress(self, o: TokenOutput) -> None:
         """Takes in the prefill's progress: the first report of cached tokens, and positions done,
@@ -140,6 +153,8 @@ class OutputProcessor:
             finished = r.finished
             if r.final_only and not finished and r.error is None:
                 continue  # building an output per step is most of this loop's cost, for nobody
+            for s in r.seqs:
+                s.flush()
             outputs.append(RequestOutput(rid, r.prompt, r.prompt_token_ids, [s.output(i) for i, s in enumerate(r.seqs)],
                                          finished=finished, error=r.error, prompt_logprobs=r.prompt_logprobs,
                                          num_cached_tokens=r.num_cached_tokens, prefill=r.prefill))
@@ -150,6 +165,15 @@ class OutputProcessor:
     def _extend(self, r: _Request, s: _Sequence, o: TokenOutput) -> bool:
         """Adds ``o``'s tokens to ``s``; True when a stop string finished it before the engine did."""
         finish, stop_reason = o.finish_reason, o.stop_reason
+        if r.deferred:
+            s.token_ids += o.new_token_ids
+            s.pending += o.new_token_ids
+            if s.logprobs is not None and o.logprobs is not None:
+                for lp in o.logprobs:
+                    s.logprobs.append(self._position(lp))
+                    s.cumulative_logprob = (s.cumulative_logprob or 0.0) + lp.logprob
+            s.finish_reason, s.stop_reason = finish, stop_reason
+            return False
         for i, tok in enumerate(o.new_token_ids):
             s.token_ids.append(tok)
             if s.logprobs is not None and o.logprobs is not None:
