@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer
+from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all
 from tiny_models import write_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog, again and again",
@@ -102,6 +102,7 @@ def test_tokens_added_at_once_give_the_streamed_text(kind, tmp_path):
         tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     rng = random.Random(1)
     real = [tok.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    batch = []
     for n in range(400):
         prompt = [rng.randrange(3, tok.get_vocab_size()) for _ in range(rng.randrange(1, 12))]
         gen = rng.choice(real)[rng.randrange(0, 5):] if n % 2 else [
@@ -110,3 +111,9 @@ def test_tokens_added_at_once_give_the_streamed_text(kind, tmp_path):
         d = IncrementalDetokenizer(tok, prompt)
         at_once = "".join(d.extend(gen[a:b]) for a, b in zip([0] + cuts, cuts + [len(gen)]))
         assert at_once == _streamed(tok, prompt, gen), (prompt, gen, cuts)
+        batch.append((prompt, gen))
+    # all at once, in one batch (clean and garbled, and one without a tokenizer)
+    detoks = [IncrementalDetokenizer(tok, p) for p, _ in batch] + [IncrementalDetokenizer(None, [5])]
+    texts = extend_all(detoks, [g for _, g in batch] + [[7, 8]])
+    assert texts == [_streamed(tok, p, g) for p, g in batch] + [""]
+    assert detoks[-1].ids == [5, 7, 8]

@@ -52,20 +52,58 @@ class IncrementalDetokenizer:
         return ""
 
     def extend(self, token_ids: list[int]) -> str:
-        """Adds tokens at once and returns what ``step`` over each would have, joined: one decode of
-        the window where its text is whole, token by token where it holds a replacement character
-        (byte pieces decode differently alone and in runs). A later call starts from a fresh window,
-        so for text that is not whole, what follows may differ from stepping (only the first call
-        is exact for garbled text: a request detokenized once, when it finishes)."""
-        if self.tok is None or not token_ids:
-            self.ids.extend(token_ids)
-            return ""
-        n = len(self.ids)
-        self.ids.extend(token_ids)
-        full = self._decode(self.ids[self.prefix_offset :])
-        if "\ufffd" in full:
-            del self.ids[n:]
-            return "".join([self.step(t) for t in token_ids])
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        self.prefix_offset, self.read_offset = self._window_start(), len(self.ids)
-        return full[len(prefix) :]
+        """Adds tokens at once and returns what ``step`` over each would have, joined (``extend_all``
+        of one)."""
+        return extend_all([self], [token_ids])[0]
+
+
+def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]]) -> list[str]:
+    """``detoks[i].extend(token_ids[i])`` for every i, with the tokenizer's batch decodes (in Rust, on
+    all cores, without the GIL): one decode of each window where its text is whole; token by token,
+    all of them in lockstep, where it holds a replacement character (byte pieces decode differently
+    alone and in runs). A later call starts from a fresh window, so for text that is not whole what
+    follows may differ from stepping: exact for a request detokenized once, when it finishes."""
+    out = [""] * len(detoks)
+    todo = [i for i, d in enumerate(detoks) if token_ids[i]]
+    for i in todo:
+        if detoks[i].tok is None:
+            detoks[i].ids.extend(token_ids[i])
+    todo = [i for i in todo if detoks[i].tok is not None]
+    if not todo:
+        return out
+    tok, skip = detoks[todo[0]].tok, detoks[todo[0]].skip
+    if any(detoks[i].tok is not tok or detoks[i].skip != skip for i in todo):  # not one batch: each alone
+        for i in todo:
+            out[i] = extend_all([detoks[i]], [token_ids[i]])[0]
+        return out
+    starts = {i: len(detoks[i].ids) for i in todo}
+    for i in todo:
+        detoks[i].ids.extend(token_ids[i])
+    fulls = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in todo], skip_special_tokens=skip)
+    whole = [i for i, full in zip(todo, fulls) if "\ufffd" not in full]
+    full_of = dict(zip(todo, fulls))
+    prefixes = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in whole],
+                                skip_special_tokens=skip)
+    for i, prefix in zip(whole, prefixes):
+        d = detoks[i]
+        out[i] = full_of[i][len(prefix):]
+        d.prefix_offset, d.read_offset = d._window_start(), len(d.ids)
+    garbled = [i for i in todo if "\ufffd" in full_of[i]]
+    for i in garbled:
+        del detoks[i].ids[starts[i]:]
+    pieces: dict[int, list[str]] = {i: [] for i in garbled}
+    for k in range(max((len(token_ids[i]) for i in garbled), default=0)):  # ``step``, batched
+        live = [i for i in garbled if k < len(token_ids[i])]
+        for i in live:
+            detoks[i].ids.append(token_ids[i][k])
+        prefix = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in live],
+                                  skip_special_tokens=skip)
+        full = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in live], skip_special_tokens=skip)
+        for i, p, f in zip(live, prefix, full):
+            if len(f) > len(p) and not f.endswith("\ufffd"):
+                d = detoks[i]
+                pieces[i].append(f[len(p):])
+                d.prefix_offset, d.read_offset = d.read_offset, len(d.ids)
+    for i in garbled:
+        out[i] = "".join(pieces[i])
+    return out

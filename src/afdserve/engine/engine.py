@@ -142,11 +142,16 @@ class Engine:
         seq_ids, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
             start, total = seq.num_computed, seq.num_computed + n
-            first_row = len(input_ids)
-            input_ids.extend(seq.tokens(start, total))
             seq_ids.append(seq.seq_id)
             kv_lens.append(total)
             qlens.append(n)
+            out = seq.output_token_ids
+            if n == 1 and total == len(seq.prompt_token_ids) + len(out):  # a decode (past any prompt logprob)
+                input_ids.append(out[-1] if out else seq.prompt_token_ids[-1])
+                sampled.append((seq, len(input_ids) - 1))
+                continue
+            first_row = len(input_ids)
+            input_ids.extend(seq.tokens(start, total))
             if seq.params.prompt_logprobs is not None:  # row r predicts prompt token r + 1
                 done = len(seq.prompt_logprobs)  # positions already computed (before a preemption)
                 for pos in range(max(start, done), min(total, len(seq.prompt_token_ids) - 1)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer
+from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all
 from afdserve.engine.outputs import (CompletionOutput, Logprob, PositionLogprobs, PrefillProgress, RequestOutput,
                                      TokenLogprobs, TokenOutput)
 from afdserve.engine.sampling_params import SamplingParams
@@ -31,12 +31,6 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     pending: list[int] = field(default_factory=list)  # tokens not detokenized yet (a deferred request's)
-
-    def flush(self) -> None:
-        """Detokenizes the pending tokens (one decode for all of them)."""
-        if self.pending:
-            self.text += self.detok.extend(self.pending)
-            self.pending = []
 
     def output(self, index: int) -> CompletionOutput:
         return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
@@ -148,13 +142,12 @@ class OutputProcessor:
                 stopped.append(o.request_id)
             if o.error is not None and r.error is None:
                 r.error = o.error
+        # building an output per step is most of this loop's cost: a final-only request's only at its end
+        changed = {rid: r for rid, r in changed.items() if not r.final_only or r.finished or r.error is not None}
+        _flush([s for r in changed.values() for s in r.seqs if s.pending])
         outputs = []
         for rid, r in changed.items():
             finished = r.finished
-            if r.final_only and not finished and r.error is None:
-                continue  # building an output per step is most of this loop's cost, for nobody
-            for s in r.seqs:
-                s.flush()
             outputs.append(RequestOutput(rid, r.prompt, r.prompt_token_ids, [s.output(i) for i, s in enumerate(r.seqs)],
                                          finished=finished, error=r.error, prompt_logprobs=r.prompt_logprobs,
                                          num_cached_tokens=r.num_cached_tokens, prefill=r.prefill))
@@ -200,6 +193,13 @@ class OutputProcessor:
 
     def _decode(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _flush(seqs: list[_Sequence]) -> None:
+    """Detokenizes the sequences' pending tokens, in one batch."""
+    for s, text in zip(seqs, extend_all([s.detok for s in seqs], [s.pending for s in seqs])):
+        s.text += text
+        s.pending = []
 
 
 def _find_stop(text: str, new: str, stops: list[str]) -> tuple[int, str] | None:

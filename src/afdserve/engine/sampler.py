@@ -74,10 +74,7 @@ def argmax_rows(x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 def plain_greedy(seq: Sequence) -> bool:
     """Whether ``seq``'s next token is the argmax of its raw logits: greedy, with nothing that reads
     or changes the logits first (logprobs, a grammar, penalties, a bias, a ``min_tokens`` not reached)."""
-    p = seq.params
-    return (p.greedy and p.logprobs is None and p.structured_outputs is None and not p.logit_bias
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
-            and len(seq.output_token_ids) >= p.min_tokens)
+    return seq.plain and len(seq.output_token_ids) >= seq.params.min_tokens
 
 
 def position_logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprobs:

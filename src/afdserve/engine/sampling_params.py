@@ -117,6 +117,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def argmax_of_raw_logits(self) -> bool:
+        """Greedy with nothing that reads or changes the logits first (logprobs, a grammar,
+        penalties, a bias); ``min_tokens`` aside, which holds only until enough tokens are out."""
+        return (self.greedy and self.logprobs is None and self.structured_outputs is None and not self.logit_bias
+                and self.repetition_penalty == 1.0 and not self.frequency_penalty and not self.presence_penalty)
+
     def token_ids_used(self) -> set[int]:
         """Token ids this request names (checked against the vocabulary by the front end)."""
         return set(self.stop_token_ids) | set(self.logit_bias or ())

@@ -38,8 +38,10 @@ class Sequence:
     grammar: object | None = None  # its structured-output matcher (afdserve.engine.structured_output)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     num_cached_tokens: int | None = None  # prefix tokens not recomputed, set when first scheduled
+    plain: bool = field(init=False)  # params.argmax_of_raw_logits, read every step (params are fixed)
 
     def __post_init__(self) -> None:
+        self.plain = self.params.argmax_of_raw_logits
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 

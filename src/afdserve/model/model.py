@@ -84,7 +84,7 @@ class AttentionModel(nn.Module):
     def context(self, layout: StepLayout, buffers: StepBuffers) -> AttnContext:
         """The step's context every layer reads (the attention backend's, with the rotary tables)."""
         ctx = self.backends.attention.prepare(layout, self.windows, buffers)
-        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
         return ctx
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -152,8 +152,17 @@ class Rope:
             raise ModelError(f"unsupported RoPE scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
         return cls(inv.float(), attn, kind)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, rotary_dim] of ``positions`` (the attention factor folded in)."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] of ``positions`` (the attention factor folded in). With
+        ``max_position`` (at least the largest position): rows of a table on the positions' device
+        built once (grown by doubling), one gather per step instead of computing them."""
+        if max_position is not None:
+            cos, sin = self._table(max_position + 1, dtype, positions.device)
+            return cos.index_select(0, positions), sin.index_select(0, positions)
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:  # moved once: a host-to-device copy a step waits on
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -162,3 +171,12 @@ class Rope:
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+    def _table(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self.__dict__.setdefault("_tables", {})
+        have = tables.get((dtype, device))
+        if have is None or have[0].shape[0] < n:
+            size = max(n, 2 * have[0].shape[0]) if have is not None else max(n, 4096)
+            have = self._compute(torch.arange(size, device=device), dtype)
+            tables[(dtype, device)] = have
+        return have
