@@ -5,6 +5,15 @@ count, the same prompts and greedy decoding. Time per output token (TPOT) is mea
 (time for N tokens - time for 1 token) / (N - 1), so prefill is excluded.
 
     python benchmarks/decode.py [--model PATH] [--batch-sizes 1,2,4,...] [--json out/decode.json]
+    python benchmarks/decode.py --host-model --parts 256   # the host work of a step, in its parts
+
+``--parts B``: one thread runs the whole colocated engine, so its step is the critical path; at
+batch B (fresh prompts, ``--max-tokens`` new tokens, greedy, the model's dtype) it splits a
+``generate`` into scheduling and input preparation (``Engine.begin``), the forward
+(``ModelRunner.forward``), sampling and stop checks (``Engine.finish``), the front end's outputs
+(``OutputProcessor.process``: detokenization, output objects) and the rest (request intake, the
+loop), per step of the batch, medians of ``--repeats`` runs. ``--host-model``: peers.py's
+near-free checkpoint (its forward costs almost nothing), so what remains is host work.
 """
 
 from __future__ import annotations
@@ -55,6 +64,51 @@ def bench_hf(model, prompts, n: int, repeats: int) -> tuple[float, float]:
         return _time(run(1), repeats), _time(run(n), repeats)
 
 
+def parts(path, batch: int, prompt_len: int, new_tokens: int, repeats: int, threads: int) -> dict:
+    """Seconds per step of each part of a colocated generate (see the module's docstring)."""
+    import statistics
+
+    from afdserve import LLM, SamplingParams
+    from afdserve.engine.engine import Engine
+    from afdserve.engine.output_processor import OutputProcessor
+    from afdserve.engine.runner import ModelRunner
+
+    spent: dict[str, float] = {}
+
+    def timed(cls, name: str, part: str) -> None:
+        fn = getattr(cls, name)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t0
+        setattr(cls, name, wrapper)
+
+    for cls, name, part in ((Engine, "begin", "schedule+inputs"), (ModelRunner, "forward", "forward"),
+                            (Engine, "finish", "sample+finish"), (OutputProcessor, "process", "outputs")):
+        timed(cls, name, part)
+    llm = LLM(str(path), num_threads=threads, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1),
+              max_model_len=prompt_len + new_tokens)
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    runs = []
+    for r in range(repeats + 1):  # the first: one-off costs
+        inputs = [{"prompt_token_ids": p} for p in _prompts(batch, prompt_len, vocab, seed=100 + r)]
+        spent.clear()
+        t0 = time.perf_counter()
+        llm.generate(inputs, params)
+        total = time.perf_counter() - t0
+        run = {k: v / new_tokens for k, v in spent.items()}
+        run["rest"] = total / new_tokens - sum(run.values())
+        run["step"] = total / new_tokens
+        if r:
+            runs.append(run)
+    llm.shutdown()
+    return {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model folder (default: the demo model)")
@@ -65,13 +119,33 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--json", default="out/decode.json")
+    ap.add_argument("--parts", type=int, default=None, metavar="B",
+                    help="instead: the parts of a colocated step at batch B (host work, see above)")
+    ap.add_argument("--host-model", action="store_true", help="peers.py's near-free checkpoint (HOST_MODEL)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     from afdserve import LLM
     from afdserve.engine.builder import resolve_model
 
+    if args.host_model:
+        from peers import host_model_path  # benchmarks/peers.py, beside this file
+
+        args.model = str(host_model_path())
     path = resolve_model(args.model)
+    if args.parts:
+        res = parts(path, args.parts, args.prompt_len, args.max_tokens, args.repeats, args.threads)
+        print(f"model {path}  threads {args.threads}  batch {args.parts}  prompt {args.prompt_len}  "
+              f"new tokens {args.max_tokens}  (ms per step, median of {args.repeats})")
+        print("  ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                                       "torch": torch.__version__}, "model": str(path), "batch": args.parts,
+                           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                           "ms_per_step": {k: v * 1e3 for k, v in res.items()}}, f, indent=1)
+            print(f"wrote {args.json}")
+        return
     llm = LLM(str(path), dtype="float32", max_num_seqs=max(64, max(map(int, args.batch_sizes.split(",")))))
     vocab = llm.engine.vocab_size
     hf = None

@@ -54,3 +54,25 @@ def test_bfloat16_load(tiny_model):
     arch, path = tiny_model
     m = AttentionModel.load(path, "bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+
+
+def test_dtype_auto_is_the_checkpoints(tiny_mixtral, tmp_path):
+    """--dtype auto (the default) takes the checkpoint's dtype, "dtype" or the older "torch_dtype";
+    float32 where the config names none; the demo model's is DEMO_CONFIG's."""
+    import json
+    import shutil
+
+    from afdserve.config import DEMO_DTYPE, EngineConfig
+    from afdserve.model.demo import DEMO_CONFIG
+
+    assert EngineConfig(model=str(tiny_mixtral)).dtype == "float32"  # saved in float32 by transformers
+    assert EngineConfig().dtype == DEMO_DTYPE == DEMO_CONFIG["torch_dtype"]
+    assert EngineConfig(model=str(tiny_mixtral), dtype="bfloat16").dtype == "bfloat16"
+    for key, value, want in (("torch_dtype", "bfloat16", "bfloat16"), ("dtype", "float16", "float16"),
+                             ("dtype", None, "float32"), ("dtype", "int8", "float32")):
+        path = tmp_path / f"{key}-{value}"
+        shutil.copytree(tiny_mixtral, path)
+        raw = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
+               if k not in ("dtype", "torch_dtype")}
+        (path / "config.json").write_text(json.dumps(raw | ({key: value} if value else {})))
+        assert EngineConfig(model=str(path)).dtype == want, (key, value)

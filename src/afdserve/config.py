@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from dataclasses import dataclass, fields
@@ -66,10 +67,30 @@ def is_device_name(name: object) -> bool:
     return name == "cpu" or (kind == "cuda" and (name == "cuda" or index.isdigit()))
 
 
+DEMO_DTYPE = "bfloat16"  # the built-in demo model's (afdserve.model.demo.DEMO_CONFIG, checked by a test)
+
+
+def checkpoint_dtype(model: str | None) -> str:
+    """The dtype a checkpoint folder's config.json names ("dtype", or the older "torch_dtype"):
+    float32, bfloat16 or float16; float32 where it names none or another (or cannot be read: the
+    loader reports that); ``model`` None: the demo model's."""
+    if model is None:
+        return DEMO_DTYPE
+    try:
+        with open(Path(model).expanduser() / "config.json") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "float32"
+    name = raw.get("dtype") or raw.get("torch_dtype") if isinstance(raw, dict) else None
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model folder; None = the built-in demo model
-    dtype: str = "float32"
+    # "auto": the checkpoint's own dtype (config.json's "dtype" or "torch_dtype"; float32 where it
+    # names none), resolved when the config is made; the demo model's is bfloat16
+    dtype: str = "auto"
     tokenizer: str | None = None  # defaults to the model folder
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -131,7 +152,9 @@ class EngineConfig:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        check("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16")
+        if self.dtype == "auto":
+            self.dtype = checkpoint_dtype(self.model)
+        check("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use auto, float32, bfloat16 or float16")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "attention_workers", "micro_batches"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "must be an integer >= 1")
         check("expert_workers", is_int(self.expert_workers) and self.expert_workers >= 0, "must be an integer >= 0")

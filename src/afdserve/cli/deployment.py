@@ -11,7 +11,8 @@ from afdserve.config import OVERFLOW_POLICIES, EngineConfig
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default auto: the checkpoint's dtype, bfloat16 for the demo model)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
