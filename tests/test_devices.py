@@ -113,3 +113,9 @@ def test_rope_frequencies_move_to_the_device_once():
     assert moved.device.type == "meta"
     cos, _ = rope.cos_sin(torch.arange(5, device="meta"), torch.float32)
     assert rope.inv_freq is moved and tuple(cos.shape) == (5, 8)
+
+
+def test_device_auto_is_cuda_where_torch_sees_a_gpu():
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig().device == EngineConfig(device="auto").device == want
+    assert EngineConfig(device="cpu").device == "cpu"

@@ -112,8 +112,9 @@ class EngineConfig:
     attention_backend: str | None = None
     moe_backend: str | None = None
     # where weights, KV cache and step tensors live: "cpu", "cuda" or "cuda:N" (colocated engine and
-    # attention workers); expert workers use expert_device (None: the same as device)
-    device: str = "cpu"
+    # attention workers), or "auto": cuda where this process's torch sees a GPU, else cpu (resolved
+    # when the config is made); expert workers use expert_device (None: the same as device)
+    device: str = "auto"
     expert_device: str | None = None
     seed: int = 0
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
@@ -176,7 +177,11 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend"):
             check(name, getattr(self, name) is None or getattr(self, name) in BACKENDS,
                   f"use {', '.join(BACKENDS)} (or leave it unset: as backend)")
-        check("device", is_device_name(self.device), "use 'cpu', 'cuda' or 'cuda:N'")
+        if self.device == "auto":
+            import torch  # what this process's torch sees (NVML: no CUDA context is created)
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        check("device", is_device_name(self.device), "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
         check("expert_device", self.expert_device is None or is_device_name(self.expert_device),
               "use 'cpu', 'cuda' or 'cuda:N' (or leave it unset: the same as device)")
         check("gate", self.gate in ("attention", "expert"), "use 'attention' or 'expert'")

@@ -21,9 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the attention half of decode steps (first compile ~10 s; off by default)")
-    g.add_argument("--device", default="cpu",
+    g.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N: where the colocated engine and the attention workers keep weights, "
-                        "KV cache and step tensors")
+                        "KV cache and step tensors (default auto: cuda where torch sees a GPU, else cpu)")
     g.add_argument("--expert-device", default=None,
                    help="cpu, cuda or cuda:N for the expert workers (default: --device)")
     g.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
