@@ -33,7 +33,8 @@ class SamplingInputs:
 
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [S, V] float32. Returns the next token of each row and, for the rows whose params
-    ask for logprobs, their log-probabilities."""
+    ask for logprobs, their log-probabilities. What to do is read from the params on the host: the
+    only reads from the device are the chosen tokens (and the logprobs asked for), one each."""
     params = inp.params
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     raw_lp = torch.log_softmax(logits[want], dim=-1) if want else None
@@ -42,11 +43,20 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[T
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:
         tokens[rand] = _draw(logits[rand], [params[i] for i in rand], [inp.generators[i] for i in rand])
-    out = tokens.tolist()
     lps: list[TokenLogprobs | None] = [None] * len(params)
-    if raw_lp is not None:
-        for row, i in enumerate(want):
-            lps[i] = position_logprobs(raw_lp[row], out[i], params[i].logprobs or 0)
+    if raw_lp is None:
+        return tokens.tolist(), lps
+    ks = [params[i].logprobs or 0 for i in want]
+    chosen = tokens[want]
+    value = raw_lp.gather(1, chosen[:, None])[:, 0]
+    rank = (raw_lp > value[:, None]).sum(dim=1) + 1
+    top = torch.topk(raw_lp, max(ks), dim=-1) if max(ks) else None
+    out, value, rank = tokens.tolist(), value.tolist(), rank.tolist()
+    top_ids, top_lp = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    for row, i in enumerate(want):
+        k = ks[row]
+        lps[i] = TokenLogprobs(out[i], value[row], rank[row], top_ids[row][:k] if k else [],
+                               top_lp[row][:k] if k else [])
     return out, lps
 
 
@@ -87,35 +97,45 @@ def position_logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprobs:
 
 
 def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
-    """Steps 2 and 3 (on a copy, only when a row needs them)."""
+    """Steps 2 and 3 (on a copy, only when a row needs them): each a few tensor operations over the
+    whole batch, the rows and tokens they touch gathered from the params on the host."""
     params, (num_rows, vocab) = inp.params, logits.shape
     out = logits
+    dev = out.device
     if inp.allowed is not None:
-        out = out.masked_fill(~inp.allowed.to(out.device), float("-inf"))
+        out = out.masked_fill(~inp.allowed.to(dev), float("-inf"))
+    stop_rows, stop_ids, bias_rows, bias_ids, bias = [], [], [], [], []
     for i, p in enumerate(params):
         # a grammar decides when a constrained row may end (its mask then allows only EOS)
         if p.min_tokens and len(inp.output_ids[i]) < p.min_tokens and p.structured_outputs is None:
             stops = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else inp.eos_token_ids) if t < vocab]
-            if stops:
-                out = out.clone() if out is logits else out
-                out[i, stops] = float("-inf")
+            stop_rows += [i] * len(stops)
+            stop_ids += stops
         if p.logit_bias:
-            out = out.clone() if out is logits else out
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=out.device)
-            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += list(p.logit_bias)
+            bias += list(p.logit_bias.values())
+    if stop_rows or bias_rows:
+        out = out.clone() if out is logits else out
+        idx = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        if stop_rows:
+            out[idx(stop_rows), idx(stop_ids)] = float("-inf")
+        if bias_rows:
+            out.index_put_((idx(bias_rows), idx(bias_ids)), torch.tensor(bias, dtype=out.dtype, device=dev),
+                           accumulate=True)
     rep = [p.repetition_penalty for p in params]
     freq = [p.frequency_penalty for p in params]
     pres = [p.presence_penalty for p in params]
     if any(r != 1.0 for r in rep) or any(freq) or any(pres):
-        counts = _counts(inp.output_ids, num_rows, vocab, out.device)
+        counts = _counts(inp.output_ids, num_rows, vocab, dev)
         out = out.clone() if out is logits else out
         if any(r != 1.0 for r in rep):
-            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab, out.device).bool()
-            r = torch.tensor(rep, dtype=out.dtype, device=out.device)[:, None].expand_as(out)
+            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab, dev).bool()
+            r = torch.tensor(rep, dtype=out.dtype, device=dev)[:, None].expand_as(out)
             penalized = torch.where(out > 0, out / r, out * r)
             out = torch.where(seen, penalized, out)
-        out -= torch.tensor(freq, dtype=out.dtype, device=out.device)[:, None] * counts
-        out -= torch.tensor(pres, dtype=out.dtype, device=out.device)[:, None] * (counts > 0)
+        out -= torch.tensor(freq, dtype=out.dtype, device=dev)[:, None] * counts
+        out -= torch.tensor(pres, dtype=out.dtype, device=dev)[:, None] * (counts > 0)
     return out
 
 
@@ -131,19 +151,20 @@ def _counts(ids: list[list[int]], rows: int, vocab: int, device: torch.device) -
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of ``logits`` [R, V] (none of them greedy)."""
-    dev = logits.device
+    """One token per row of ``logits`` [R, V] (none of them greedy); which filters run is read from
+    the params, not from the device."""
+    dev, vocab = logits.device, logits.shape[1]
     logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
         probs = torch.softmax(logits, dim=-1)
         cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < cut, float("-inf"))
-    top_k = [p.top_k if 0 < p.top_k < logits.shape[1] else logits.shape[1] for p in params]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
-    if min(top_k) < logits.shape[1] or bool((top_p < 1).any()):
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab or any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        pos = torch.arange(logits.shape[1], device=dev)[None, :]
+        pos = torch.arange(vocab, device=dev)[None, :]
         sorted_logits = sorted_logits.masked_fill(pos >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
         sorted_p = torch.softmax(sorted_logits, dim=-1)
         drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
@@ -154,9 +175,10 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.G
     seeded = [i for i, g in enumerate(gens) if g is not None]
     if len(seeded) < len(gens):
         noise.exponential_()
-    for i in seeded:  # a request's generator lives on the CPU: its draws do not depend on the device
-        if noise.device.type == "cpu":
-            noise[i].exponential_(generator=gens[i])
-        else:
-            noise[i].copy_(torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(generator=gens[i]))
+    if seeded:  # a request's generator lives on the CPU: its draws do not depend on the device or the batch
+        host = noise if dev.type == "cpu" else torch.empty(len(seeded), vocab, dtype=noise.dtype)
+        for j, i in enumerate(seeded):
+            host[i if host is noise else j].exponential_(generator=gens[i])
+        if host is not noise:
+            noise[torch.tensor(seeded, device=dev)] = host.to(dev)
     return torch.argmax(probs / noise, dim=-1)
