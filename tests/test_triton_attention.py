@@ -1,9 +1,10 @@
-"""The triton attention backend, its kernels run on CPU tensors by Triton's interpreter (conftest sets
-TRITON_INTERPRET=1 before anything imports triton): the paged-attention kernel against the torch
-backend over mixed batches (prefill pieces after cached prefixes, decodes, GQA, windows, sinks,
-given-back blocks poisoned with NaN), greedy tokens as transformers' in the colocated and the
-disaggregated deployments, and the decode half compiled whole (one graph, no break) with the
-kernel as a custom op."""
+"""The triton backends (attention and norms), their kernels run on CPU tensors by Triton's interpreter
+(conftest sets TRITON_INTERPRET=1 before anything imports triton): the paged-attention kernel
+against the torch backend over mixed batches (prefill pieces after cached prefixes, decodes, GQA,
+windows, sinks, given-back blocks poisoned with NaN), RMS norm (with the residual add) and RoPE
+with the cache write (partial rotary, Qwen3's q/k norms) against the torch norm backend, greedy
+tokens as transformers' in the colocated and the disaggregated deployments, and the decode half
+compiled whole (one graph, no break) with the kernels as custom ops."""
 
 import random
 import warnings
@@ -74,10 +75,36 @@ def test_kernel_matches_the_torch_backend(dtype, heads, kv_heads, head_dim, wind
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_kernels_match_the_torch_backend(dtype):
+    norm, ref = choose("cpu", dtype, "triton").norm, TorchNorm()
+    g = torch.Generator().manual_seed(0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
+    for rows, cols in ((1, 64), (7, 96), (33, 200)):
+        x, r = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+        torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), **tol)
+        for got, want in zip(norm.add_rms_norm(x, r, w, 1e-6), ref.add_rms_norm(x, r, w, 1e-6)):
+            torch.testing.assert_close(got, want, **tol)
+    for heads, kv_heads, d, rotary, qk_norm in ((4, 2, 16, 16, False), (8, 2, 32, 16, True), (6, 3, 24, 24, True)):
+        t, slots = 5, torch.tensor([3, 9, 0, 12, 7])
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+        angle = torch.rand(t, rotary // 2, generator=g) * 6.3
+        cos, sin = (torch.cat([f(angle)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+        norms = [(1 + 0.1 * torch.randn(d, generator=g)).to(dtype) for _ in range(2)] if qk_norm else [None, None]
+        caches = [[torch.full((16, kv_heads, d), float("nan"), dtype=dtype) for _ in range(2)] for _ in range(2)]
+        q = [b.rope_cache(qkv, cos, sin, *c, slots, heads, kv_heads, *norms, 1e-6)
+             for b, c in ((norm, caches[0]), (ref, caches[1]))]
+        torch.testing.assert_close(q[0], q[1], **tol)
+        for got, want in zip(caches[0], caches[1]):  # written at the slots, nothing else touched
+            torch.testing.assert_close(got, want, equal_nan=True, **tol)
+
+
 def test_choosing_triton():
     b = choose("cpu", torch.float32, "torch", attention="triton")
     assert b.names() == {"attention": "triton", "moe": "torch", "linear": "torch", "norm": "torch"}
-    assert set(choose("cpu", torch.float32, "triton").names().values()) == {"triton", "torch"}
+    assert choose("cpu", torch.float32, "triton").names() == {"attention": "triton", "moe": "torch",
+                                                             "linear": "torch", "norm": "triton"}
     with pytest.raises(ConfigError, match="triton is an attention backend"):
         choose("cpu", torch.float32, moe="triton")
     with pytest.raises(ConfigError, match="invalid attention backend 'triton': .*MLA"):
@@ -94,16 +121,20 @@ def gpt_oss(tmp_path_factory):
 
 
 def generate(path, **kw) -> list[list[int]]:
-    with LLM(str(path), attention_backend="triton", **kw) as llm:
+    kw = {"attention_backend": "triton"} | kw
+    with LLM(str(path), **kw) as llm:
         assert llm.engine.engine.runner.model.backends.attention.name == "triton" if kw.get(
             "expert_workers", 0) == 0 else True
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_greedy_matches_transformers(tiny_model):
+@pytest.mark.parametrize("backends", [{"attention_backend": "triton"}, {"backend": "triton"}])
+def test_greedy_matches_transformers(tiny_model, backends):
+    """The triton attention beside the other default backends; triton attention and norms with
+    torch linear and MoE."""
     _, path = tiny_model
-    assert generate(path, num_kv_blocks=64) == hf_greedy(path, prompts(), NEW)
+    assert generate(path, num_kv_blocks=64, **backends) == hf_greedy(path, prompts(), NEW)
 
 
 @pytest.mark.parametrize("budget,block_size", [(2048, 16), (7, 4)])  # whole prefills; chunked prefills
@@ -114,7 +145,7 @@ def test_sinks_and_windows_match_transformers(gpt_oss, budget, block_size):
 
 def test_disaggregated_matches_transformers(gpt_oss):
     path, ref = gpt_oss
-    assert generate(path, num_kv_blocks=64, expert_workers=1, micro_batches=2) == ref
+    assert generate(path, num_kv_blocks=64, expert_workers=1, micro_batches=2, backend="triton") == ref
 
 
 def test_decode_half_compiles_whole_with_the_kernel(tiny_mixtral):
@@ -130,7 +161,7 @@ def test_decode_half_compiles_whole_with_the_kernel(tiny_mixtral):
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns and runs eager
-        with LLM(str(tiny_mixtral), num_kv_blocks=64, attention_backend="triton", compile=True) as llm:
+        with LLM(str(tiny_mixtral), num_kv_blocks=64, backend="triton", compile=True) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
     assert [list(o.outputs[0].token_ids) for o in outs] == ref
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

@@ -3,8 +3,8 @@
 * ``torch`` (``afdserve.backends.pytorch``): device-agnostic PyTorch -- what CUDA runs, and a CPU
   without afdserve's kernels;
 * ``cpu`` (``afdserve.backends.cpu``): afdserve's C++ kernels, built once per machine;
-* ``triton`` (``afdserve.backends.triton``, attention only): paged attention in Triton, compiled for
-  CUDA, interpreted on CPU tensors.
+* ``triton`` (``afdserve.backends.triton``, attention and norms): paged attention, RMS norm with the
+  residual add and RoPE with the cache write in Triton, compiled for CUDA, interpreted on CPU tensors.
 
 The interfaces are in ``afdserve.backends.base``; a step's context in ``afdserve.backends.step``.
 """
@@ -50,8 +50,10 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
            moe: str | None = None, latent: bool = False) -> Backends:
     """The backends of an engine on ``device`` computing in ``dtype``: ``backend`` for every component
     ("auto": cpu where the device is the CPU and the kernels run ``dtype`` here, else torch), with
-    ``attention`` / ``moe`` overriding it for theirs ("triton": attention only, the rest on torch).
-    ``latent``: the model uses MLA (the torch attention backend runs it). An explicit choice that cannot run raises ConfigError saying why."""
+    ``attention`` / ``moe`` overriding it for theirs ("triton": attention and norms, linear and MoE on
+    torch).
+    ``latent``: the model uses MLA (the torch attention backend runs it). An explicit choice that
+    cannot run raises ConfigError saying why."""
     device = torch.device(device)
     asked = {"attention": attention or backend, "moe": moe or backend, "linear": backend, "norm": backend}
     for part, name in asked.items():
@@ -59,17 +61,18 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
             raise ConfigError(f"invalid {part} backend {name!r}: use {', '.join(NAMES)}")
     if moe == "triton":
         raise ConfigError("invalid moe backend 'triton': triton is an attention backend (use auto, cpu or torch)")
-    asked = {part: "torch" if name == "triton" and part != "attention" else name for part, name in asked.items()}
+    asked = {part: "torch" if name == "triton" and part in ("moe", "linear") else name for part, name in asked.items()}
     if device.type != "cpu":
         why = dict.fromkeys(asked, f"the device is {device}, not the CPU")
     elif any(name not in ("torch", "triton") for name in asked.values()):
         why = _cpu_kernels(dtype)  # loads (first: builds) the kernels
     else:
         why = dict.fromkeys(asked, "")
-    if asked["attention"] == "triton":
-        from afdserve.backends.triton import unavailable_reason
+    for part in ("attention", "norm"):
+        if asked[part] == "triton":
+            from afdserve.backends.triton import unavailable_reason
 
-        why["attention"] = unavailable_reason(device)
+            why[part] = unavailable_reason(device)
     if latent:
         why["attention"] = why["attention"] or "MLA's latent attention runs on the torch backend"
     chosen = {}
@@ -99,7 +102,12 @@ def _build(names: dict[str, str], device: torch.device) -> Backends:
         from afdserve.backends.cpu.linear import CpuLinear
         from afdserve.backends.cpu.moe import CpuMoE
         from afdserve.backends.cpu.norm import CpuNorm
-    norm = CpuNorm() if names["norm"] == "cpu" else TorchNorm()
+    if names["norm"] == "triton":
+        from afdserve.backends.triton.norm import TritonNorm
+
+        norm = TritonNorm(device)
+    else:
+        norm = CpuNorm() if names["norm"] == "cpu" else TorchNorm()
     if names["attention"] == "triton":
         from afdserve.backends.triton.attention import TritonAttention
 

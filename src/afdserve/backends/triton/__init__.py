@@ -31,15 +31,16 @@ def unavailable_reason(device: torch.device) -> str:
     return ""
 
 
-def load(device: torch.device) -> ModuleType:
-    """The kernels module for ``device``; on the CPU, Triton's interpreter (TRITON_INTERPRET=1 is set
-    for this process and the processes it starts, before triton is imported)."""
+def load(device: torch.device, module: str = "kernels") -> ModuleType:
+    """A kernels module (``kernels``: attention, ``norm_kernels``) for ``device``; on the CPU,
+    Triton's interpreter (TRITON_INTERPRET=1 is set for this process and the processes it starts,
+    before triton is imported)."""
     why = unavailable_reason(device)
     if why:
         raise ConfigError(f"invalid attention backend 'triton': {why}")
     if device.type == "cpu" and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
-    return importlib.import_module("afdserve.backends.triton.kernels")
+    return importlib.import_module(f"afdserve.backends.triton.{module}")
 
 
 def _interpreted() -> bool:
