@@ -148,15 +148,16 @@ def test_disaggregated_matches_transformers(gpt_oss):
     assert generate(path, num_kv_blocks=64, expert_workers=1, micro_batches=2, backend="triton") == ref
 
 
-def test_decode_half_compiles_whole_with_the_kernel(tiny_mixtral):
-    """The attention half of decode steps compiled with fullgraph=True over the custom op: float32
-    greedy tokens as transformers', no graph break, and batches of 4, 3 and 2 (sequences finishing
-    at different steps) served by one graph (batch 1 is specialized by dynamo: a second)."""
+def test_decode_half_compiles_whole_with_the_kernels(tiny_mixtral):
+    """The attention half of decode steps compiled with fullgraph=True over the custom ops (paged
+    attention, the norms, RoPE with the cache write): float32 greedy tokens as transformers', no
+    graph break, and 100 decode steps whose batch shrinks from 4 to 1 (sequences finishing at
+    different steps) served by two graphs (dynamo specializes batch 1: the second)."""
     from torch._dynamo.utils import counters
 
     ps = prompts()
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 4, 8, 12)]
-    ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 16), params)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (100, 12, 45, 70)]
+    ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 100), params)]
     torch._dynamo.reset()
     counters.clear()
     with warnings.catch_warnings():
