@@ -8,7 +8,7 @@ count, the same prompts and greedy decoding. Time per output token (TPOT) is mea
     python benchmarks/decode.py --host-model --parts 256   # the host work of a step, in its parts
 
 ``--parts B``: one thread runs the whole colocated engine, so its step is the critical path; at
-batch B (fresh prompts, ``--max-tokens`` new tokens, greedy, the model's dtype) it splits a
+batch B (fresh prompts, ``--max-tokens`` new tokens, greedy, ``--dtype``) it splits a
 ``generate`` into scheduling and input preparation (``Engine.begin``), the forward
 (``ModelRunner.forward``), sampling and stop checks (``Engine.finish``), the front end's outputs
 (``OutputProcessor.process``: detokenization, output objects) and the rest (request intake, the
@@ -64,7 +64,7 @@ def bench_hf(model, prompts, n: int, repeats: int) -> tuple[float, float]:
         return _time(run(1), repeats), _time(run(n), repeats)
 
 
-def parts(path, batch: int, prompt_len: int, new_tokens: int, repeats: int, threads: int) -> dict:
+def parts(path, batch: int, prompt_len: int, new_tokens: int, repeats: int, threads: int, dtype: str) -> dict:
     """Seconds per step of each part of a colocated generate (see the module's docstring)."""
     import statistics
 
@@ -89,8 +89,8 @@ def parts(path, batch: int, prompt_len: int, new_tokens: int, repeats: int, thre
     for cls, name, part in ((Engine, "begin", "schedule+inputs"), (ModelRunner, "forward", "forward"),
                             (Engine, "finish", "sample+finish"), (OutputProcessor, "process", "outputs")):
         timed(cls, name, part)
-    llm = LLM(str(path), num_threads=threads, max_num_seqs=batch, max_num_batched_tokens=batch * (prompt_len + 1),
-              max_model_len=prompt_len + new_tokens)
+    llm = LLM(str(path), dtype=dtype, num_threads=threads, max_num_seqs=batch,
+              max_num_batched_tokens=batch * (prompt_len + 1), max_model_len=prompt_len + new_tokens)
     vocab = llm.engine.vocab_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     runs = []
@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=None, metavar="B",
                     help="instead: the parts of a colocated step at batch B (host work, see above)")
     ap.add_argument("--host-model", action="store_true", help="peers.py's near-free checkpoint (HOST_MODEL)")
+    ap.add_argument("--dtype", default="bfloat16", help="--parts: the engine's dtype")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -134,7 +135,7 @@ def main() -> None:
         args.model = str(host_model_path())
     path = resolve_model(args.model)
     if args.parts:
-        res = parts(path, args.parts, args.prompt_len, args.max_tokens, args.repeats, args.threads)
+        res = parts(path, args.parts, args.prompt_len, args.max_tokens, args.repeats, args.threads, args.dtype)
         print(f"model {path}  threads {args.threads}  batch {args.parts}  prompt {args.prompt_len}  "
               f"new tokens {args.max_tokens}  (ms per step, median of {args.repeats})")
         print("  ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()))
@@ -142,7 +143,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                                        "torch": torch.__version__}, "model": str(path), "batch": args.parts,
-                           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "dtype": args.dtype,
                            "ms_per_step": {k: v * 1e3 for k, v in res.items()}}, f, indent=1)
             print(f"wrote {args.json}")
         return
