@@ -170,7 +170,7 @@ def test_mla_kv_bytes_from_the_allocator():
     mla_cfg = ModelConfig.from_dict(deepseek_config(3, hidden_size=64, num_attention_heads=4).to_dict())
     gqa_cfg = ModelConfig.from_dict(hf_config("mixtral", num_hidden_layers=3).to_dict())
     assert mla_cfg.hidden_size == gqa_cfg.hidden_size and mla_cfg.num_layers == gqa_cfg.num_layers
-    ecfg = EngineConfig(kv_cache_gb=0.002, block_size=16)
+    ecfg = EngineConfig(kv_cache_gb=0.002, block_size=16, dtype="float32")
     per_token = {}
     tokens = {}
     for name, cfg in (("mla", mla_cfg), ("gqa", gqa_cfg)):
