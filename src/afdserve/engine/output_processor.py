@@ -53,7 +53,7 @@ class _Request:
     @property
     def deferred(self) -> bool:
         """Its text is read only when it finishes and no stop string reads it before: detokenized
-        then, at once (``_Sequence.flush``), not token by token."""
+        then, at once (``_flush``), not token by token."""
         return self.final_only and not self.stop
 
     def progress(self, o: TokenOutput) -> None:
