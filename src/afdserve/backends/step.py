@@ -1,6 +1,7 @@
 """A step's batch as the scheduler laid it out (``StepLayout``, host arrays), the persistent buffers
 its device tensors are staged in (``StepBuffers``), and the context every layer of the step reads
-(``AttnContext``, built once per step by the attention backend's ``prepare``)."""
+(``AttnContext``, built once per step by the attention backend's ``prepare``; ``PagedContext`` for
+kernels that read the paged cache in place)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,26 @@ class AttnContext:
     is_decode: bool  # every sequence has one new token
     cos: torch.Tensor | None = None  # [T, rotary_dim] in the model's dtype
     sin: torch.Tensor | None = None
+
+
+@dataclass
+class PagedContext(AttnContext):
+    """The context of kernels that read the paged cache in place through the block tables (the cpu
+    and triton attention backends): the tables, each sequence's context length and its first query
+    row, as int32."""
+
+    block_tables: torch.Tensor | None = None  # [S, B] int32
+    kv_lens: torch.Tensor | None = None  # [S] int32: keys after the step
+    cu_q: torch.Tensor | None = None  # [S + 1] int32: cumulative new tokens
+    block_size: int = 0
+
+    @classmethod
+    def staged(cls, layout: StepLayout, buffers: StepBuffers) -> "PagedContext":
+        """``layout``'s context, staged through ``buffers``."""
+        stage = buffers.stage
+        cu = np.zeros(layout.num_seqs + 1, dtype=np.int32)
+        np.cumsum(layout.query_lens, out=cu[1:])
+        return cls(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
+                   layout.num_tokens, layout.is_decode, block_tables=stage("block_tables", layout.block_table),
+                   kv_lens=stage("kv_lens", layout.kv_lens.astype(np.int32)), cu_q=stage("cu_q", cu),
+                   block_size=layout.block_size)

@@ -6,24 +6,13 @@ context length and the query offsets, as int32."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from afdserve.backends.base import LinearOp
 from afdserve.backends.cpu import ops
 from afdserve.backends.cpu.linear import KernelLinearOp
-from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
+from afdserve.backends.step import PagedContext, StepBuffers, StepLayout
 from afdserve.errors import ConfigError
-
-
-@dataclass
-class CpuContext(AttnContext):
-    block_tables: torch.Tensor | None = None  # [S, B] int32
-    kv_lens: torch.Tensor | None = None  # [S] int32
-    cu_q: torch.Tensor | None = None  # [S + 1] int32
-    block_size: int = 0
 
 
 class FusedHalf:
@@ -45,7 +34,7 @@ class FusedHalf:
     def fuses_router(self) -> bool:
         return self.router is not None
 
-    def __call__(self, x: torch.Tensor, ctx: CpuContext, k_cache: torch.Tensor,
+    def __call__(self, x: torch.Tensor, ctx: PagedContext, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         a, r = self.layer, self.router
         qkv, o = a.qkv.op, a.o_proj.op
@@ -61,14 +50,8 @@ class CpuAttention:
     name = "cpu"
     latent = False  # MLA runs on the torch attention backend
 
-    def prepare(self, layout: StepLayout, windows: tuple[int, ...], buffers: StepBuffers) -> CpuContext:
-        stage = buffers.stage
-        cu = np.zeros(layout.num_seqs + 1, dtype=np.int32)
-        np.cumsum(layout.query_lens, out=cu[1:])
-        return CpuContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
-                          layout.num_tokens, layout.is_decode, block_tables=stage("block_tables", layout.block_table),
-                          kv_lens=stage("kv_lens", layout.kv_lens.astype(np.int32)), cu_q=stage("cu_q", cu),
-                          block_size=layout.block_size)
+    def prepare(self, layout: StepLayout, windows: tuple[int, ...], buffers: StepBuffers) -> PagedContext:
+        return PagedContext.staged(layout, buffers)
 
     def bind(self, layer, router: LinearOp | None) -> FusedHalf:
         return FusedHalf(layer, router)

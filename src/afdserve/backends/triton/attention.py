@@ -1,29 +1,19 @@
 """The ``triton`` attention backend: the step's tokens attend over the paged KV cache in place, one
 kernel launch per layer for prefill pieces and decodes together (``paged_attention``, a custom op
 with a fake implementation, so ``torch.compile`` and CUDA graphs take it whole). Its context is the
-block tables, cumulative query lengths and sequence lengths, staged once per step. MLA's latent
-attention stays on the torch backend (``latent`` is False)."""
+cpu backend's (``PagedContext``: block tables, context lengths, query offsets), staged once per
+step. MLA's latent attention stays on the torch backend (``latent`` is False)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from afdserve.backends.base import LinearOp, NormBackend
 from afdserve.backends.pytorch.attention import TorchHalf
-from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
+from afdserve.backends.step import PagedContext, StepBuffers, StepLayout
 from afdserve.backends.triton import load
 
 TILE = 32  # keys per inner step
-
-
-@dataclass
-class TritonContext(AttnContext):
-    block_table: torch.Tensor | None = None  # [S, B] int32
-    query_start: torch.Tensor | None = None  # [S + 1] int32: cumulative new tokens
-    seq_lens: torch.Tensor | None = None  # [S] int32: keys after the step
 
 
 class TritonAttention:
@@ -34,23 +24,17 @@ class TritonAttention:
         self.norm = norm  # RoPE with the cache write
         load(device)
 
-    def prepare(self, layout: StepLayout, windows: tuple[int, ...], buffers: StepBuffers) -> TritonContext:
-        stage = buffers.stage
-        start = np.zeros(layout.num_seqs + 1, dtype=np.int32)
-        np.cumsum(layout.query_lens, out=start[1:])
-        return TritonContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
-                             layout.num_tokens, layout.is_decode, block_table=stage("block_table", layout.block_table),
-                             query_start=stage("query_start", start),
-                             seq_lens=stage("seq_lens", layout.kv_lens.astype(np.int32)))
+    def prepare(self, layout: StepLayout, windows: tuple[int, ...], buffers: StepBuffers) -> PagedContext:
+        return PagedContext.staged(layout, buffers)
 
     def bind(self, layer, router: LinearOp | None) -> TorchHalf:
         return TorchHalf(self, layer, router)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: TritonContext, window: int,
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: PagedContext, window: int,
                sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q [T, heads, D] of the step's tokens over the paged cache [slots, kv_heads, D]."""
-        return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.query_start, ctx.seq_lens, sinks, scale,
-                               window, ctx.layout.block_size)
+        return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.cu_q, ctx.kv_lens, sinks, scale, window,
+                               ctx.block_size)
 
 
 @torch.library.custom_op("afdserve::paged_attention", mutates_args=())
