@@ -78,16 +78,11 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
     chosen = {}
     for part in ("linear", "norm", "moe", "attention"):
         name = asked[part]
-        if name == "triton":
-            if why[part]:
-                raise ConfigError(f"invalid {part} backend 'triton': {why[part]}")
-            chosen[part] = name
-            continue
-        if part == "attention" and chosen["linear"] != "cpu":  # the fused half multiplies packed weights
+        if part == "attention" and name != "triton" and chosen["linear"] != "cpu":  # the fused half: packed weights
             why[part] = why[part] or "the cpu attention backend needs the cpu linear backend"
-        if name == "cpu" and why[part]:
-            raise ConfigError(f"invalid {part} backend 'cpu': {why[part]}")
-        chosen[part] = "cpu" if name == "cpu" or (name == "auto" and not why[part]) else "torch"
+        if name in ("cpu", "triton") and why[part]:
+            raise ConfigError(f"invalid {part} backend {name!r}: {why[part]}")
+        chosen[part] = name if name in ("cpu", "triton") else "cpu" if name == "auto" and not why[part] else "torch"
     return _build(chosen, device)
 
 

@@ -1,5 +1,5 @@
-"""The ``triton`` attention backend: paged attention in Triton over the KV cache in place, compiled
-for CUDA devices and run by Triton's interpreter on CPU tensors (how CI tests it). Which of the two
+"""The ``triton`` backends (attention and norms): Triton kernels compiled for CUDA devices and run by
+Triton's interpreter on CPU tensors (how CI tests them). Which of the two
 is decided once per process, before triton is imported (``load``): Triton fixes it when its own
 kernels are defined."""
 
@@ -37,7 +37,7 @@ def load(device: torch.device, module: str = "kernels") -> ModuleType:
     before triton is imported)."""
     why = unavailable_reason(device)
     if why:
-        raise ConfigError(f"invalid attention backend 'triton': {why}")
+        raise ConfigError(f"the triton backend cannot run here: {why}")
     if device.type == "cpu" and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
     return importlib.import_module(f"afdserve.backends.triton.{module}")
