@@ -19,7 +19,7 @@ import torch
 from afdserve.backends.step import StepLayout
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import ModelInput, ModelOutput, Runner
-from afdserve.engine.sampler import SamplingInputs, plain_greedy, position_logprobs, sample
+from afdserve.engine.sampler import SamplingInputs, plain_greedy, rows_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence
@@ -146,7 +146,7 @@ class Engine:
             kv_lens.append(total)
             qlens.append(n)
             out = seq.output_token_ids
-            if n == 1 and total == len(seq.prompt_token_ids) + len(out):  # a decode (past any prompt logprob)
+            if n == 1 and total == seq.num_tokens:  # a decode (past any prompt logprob)
                 input_ids.append(out[-1] if out else seq.prompt_token_ids[-1])
                 sampled.append((seq, len(input_ids) - 1))
                 continue
@@ -183,9 +183,10 @@ class Engine:
                 self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
         if prompt_rows:
             lp = torch.log_softmax(logits[len(sampled):], dim=-1)
-            for j, (seq, _, pos) in enumerate(prompt_rows):
-                tok = seq.prompt_token_ids[pos]
-                seq.prompt_logprobs.append(position_logprobs(lp[j], tok, seq.params.prompt_logprobs or 0))
+            tokens = torch.tensor([seq.prompt_token_ids[pos] for seq, _, pos in prompt_rows], device=lp.device)
+            ks = [seq.params.prompt_logprobs or 0 for seq, _, _ in prompt_rows]
+            for (seq, _, _), row in zip(prompt_rows, rows_logprobs(lp, tokens, ks)):
+                seq.prompt_logprobs.append(row)
         outs = [TokenOutput(seq.request_id, [], num_cached_tokens=self._first_output(seq),
                             prefill=PrefillProgress(seq.num_computed, seq.num_tokens))
                 for seq in s.partial if not seq.finished]

@@ -43,20 +43,11 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[T
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:
         tokens[rand] = _draw(logits[rand], [params[i] for i in rand], [inp.generators[i] for i in rand])
+    out = tokens.tolist()
     lps: list[TokenLogprobs | None] = [None] * len(params)
-    if raw_lp is None:
-        return tokens.tolist(), lps
-    ks = [params[i].logprobs or 0 for i in want]
-    chosen = tokens[want]
-    value = raw_lp.gather(1, chosen[:, None])[:, 0]
-    rank = (raw_lp > value[:, None]).sum(dim=1) + 1
-    top = torch.topk(raw_lp, max(ks), dim=-1) if max(ks) else None
-    out, value, rank = tokens.tolist(), value.tolist(), rank.tolist()
-    top_ids, top_lp = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
-    for row, i in enumerate(want):
-        k = ks[row]
-        lps[i] = TokenLogprobs(out[i], value[row], rank[row], top_ids[row][:k] if k else [],
-                               top_lp[row][:k] if k else [])
+    if raw_lp is not None:
+        for i, lp in zip(want, rows_logprobs(raw_lp, tokens[want], [params[i].logprobs or 0 for i in want])):
+            lps[i] = lp
     return out, lps
 
 
@@ -87,13 +78,19 @@ def plain_greedy(seq: Sequence) -> bool:
     return seq.plain and len(seq.output_token_ids) >= seq.params.min_tokens
 
 
-def position_logprobs(lp: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """``lp``: [V] log-probabilities; the chosen ``token``'s entry and the top ``k``."""
-    value = lp[token]
-    rank = int((lp > value).sum()) + 1
-    top = torch.topk(lp, k) if k else None
-    return TokenLogprobs(token, float(value), rank, top.indices.tolist() if top else [],
-                         top.values.tolist() if top else [])
+def rows_logprobs(lp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """``lp``: [R, V] log-probabilities; each row's entry of its ``tokens[r]`` (int64 [R], on lp's
+    device), its rank, and its top ``ks[r]``: a few batched operations, read back once each."""
+    value = lp.gather(1, tokens[:, None])[:, 0]
+    rank = (lp > value[:, None]).sum(dim=1) + 1
+    top: dict[int, tuple[list, list]] = {}
+    for k in set(ks) - {0}:  # one topk per distinct k, over the rows asking for it
+        rows = [r for r, kr in enumerate(ks) if kr == k]
+        t = torch.topk(lp[rows], k, dim=-1)
+        for r, ids, vals in zip(rows, t.indices.tolist(), t.values.tolist()):
+            top[r] = (ids, vals)
+    return [TokenLogprobs(tok, v, rk, *top.get(r, ([], [])))
+            for r, (tok, v, rk) in enumerate(zip(tokens.tolist(), value.tolist(), rank.tolist()))]
 
 
 def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
