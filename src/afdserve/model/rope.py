@@ -15,7 +15,7 @@ dynamic model up to ``factor * max_position_embeddings``, as vLLM does).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -120,6 +120,8 @@ class Rope:
     inv_freq: torch.Tensor  # [rotary_dim // 2] float32
     attention_factor: float
     rope_type: str
+    # cos/sin of positions [0, n) per (dtype, device), built by ``cos_sin`` when it is given a bound
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def rotary_dim(self) -> int:
@@ -173,7 +175,7 @@ class Rope:
         return cos.to(dtype), sin.to(dtype)
 
     def _table(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tables = self.__dict__.setdefault("_tables", {})
+        tables = self._tables
         have = tables.get((dtype, device))
         if have is None or have[0].shape[0] < n:
             size = max(n, 2 * have[0].shape[0]) if have is not None else max(n, 4096)
