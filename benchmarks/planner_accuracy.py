@@ -20,7 +20,8 @@ quick profiles taken right before and right after its measurement (``afdserve pr
 Runs during which other processes on this machine used the CPUs are repeated.
 
 Deployments with more worker processes than cores time-share the cores; the runtime model simulates
-that (processor sharing over the profile's core count).  The table marks them.
+that (processor sharing over the profile's core count).  The table marks them.  ``n_e = 0`` is the
+colocated engine (one process, one thread; ``planner.predict_colocated``).
 
     python benchmarks/planner_accuracy.py [--profile out/profile.json] [--json out/planner_accuracy.json]
 """
@@ -38,8 +39,9 @@ from pathlib import Path
 
 import torch
 
-# (n_a, n_e, m, sequences per attention worker)
-DEFAULT_DEPLOYMENTS = "1,1,1,16;1,1,2,32;1,1,3,48;1,1,2,64;1,1,1,64;2,1,2,32;1,2,2,32;2,2,2,32;2,1,1,16"
+# (n_a, n_e, m, sequences per attention worker); n_e = 0: colocated
+DEFAULT_DEPLOYMENTS = ("1,0,1,16;1,0,1,64;1,0,1,256;1,1,1,16;1,1,2,64;1,1,3,96;1,1,2,256;1,1,1,128;"
+                       "2,1,2,32;1,2,2,32;2,2,2,64")
 
 
 def parse_deployments(text: str) -> list[tuple[int, int, int, int]]:
@@ -47,8 +49,9 @@ def parse_deployments(text: str) -> list[tuple[int, int, int, int]]:
     for part in text.split(";"):
         if part.strip():
             vals = tuple(int(x) for x in part.split(","))
-            if len(vals) != 4 or min(vals) < 1:
-                raise argparse.ArgumentTypeError(f"deployment {part!r}: expected n_a,n_e,m,batch (positive)")
+            if len(vals) != 4 or min(vals[0], vals[2], vals[3]) < 1 or vals[1] < 0 or (vals[1] == 0 and vals[0] != 1):
+                raise argparse.ArgumentTypeError(f"deployment {part!r}: expected n_a,n_e,m,batch (positive; "
+                                                 "n_e = 0 with n_a = 1: colocated)")
             out.append(vals)
     return out  # type: ignore[return-value]
 
@@ -87,7 +90,7 @@ def cpu_snapshot(pids: list[int]) -> tuple[float, float]:
 def pin_workers(llm, cores: list[int]) -> dict[str, int]:  # type: ignore[no-untyped-def]
     """Pins the deployment's worker processes round-robin to ``cores`` (attention workers first),
     as ``planner.runtime_sim.pinned_round_robin`` assumes."""
-    workers = llm.engine.workers
+    workers = getattr(llm.engine, "workers", {})
     order = sorted((n for n in workers if n.startswith("attention")), key=lambda n: int(n[9:]))
     order += sorted((n for n in workers if n.startswith("expert")), key=lambda n: int(n[6:]))
     out = {}
@@ -118,7 +121,7 @@ def measure(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: int
 
         idles: list[float] = []
         foreign: list[float] = []
-        pids = [os.getpid()] + [w.pid for w in llm.engine.workers.values()]
+        pids = [os.getpid()] + [w.pid for w in getattr(llm.engine, "workers", {}).values()]
 
         def run(n: int) -> float:
             best = None
@@ -194,7 +197,7 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
 
 
 def fmt_table(rows: list[dict], cores: int, modes: list[str], bracket: bool) -> str:
-    head = ["n_a", "n_e", "m", "batch/attn", "batch", "procs"]
+    head = ["n_a", "n_e", "m", "batch/attn", "batch", "procs"]  # n_e 0: colocated
     for mode in modes:
         head += [f"{mode} ms"]
         if bracket:
@@ -290,7 +293,8 @@ def main() -> int:
     for n_a, n_e, m, b in args.deployments:
         ana = predict_local(prof, n_a, n_e, m, b, seq_len, spec, method="analytic")
         row: dict = {"n_a": n_a, "n_e": n_e, "m": m, "batch_per_attention_worker": b, "global_batch": n_a * b,
-                     "processes": n_a + n_e, "shares_cores": n_a + n_e > cores, "seq_len": seq_len,
+                     "processes": n_a + n_e, "colocated": n_e == 0, "shares_cores": n_a + n_e > cores,
+                     "seq_len": seq_len,
                      "analytic_ms": ana.iteration_s * 1e3}
         meas = {mode: measure(n_a, n_e, m, b, args.tokens, args.prompt_len, args.repeats, vocab, args.wait_idle,
                               args.max_wait, pin=mode == "pinned", max_foreign=args.max_foreign) for mode in modes}

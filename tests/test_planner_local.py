@@ -99,7 +99,7 @@ from afdserve.planner.runtime_sim import RuntimeSim, simulate_runtime  # noqa: E
 
 def _sim(**kw) -> RuntimeSim:  # type: ignore[no-untyped-def]
     base = dict(n_a=1, n_e=1, num_layers=4, micro_batches=(8,), ta=(1e-3,), te_per_pair=0.0, te_fixed=2e-3,
-                pairs=(16,), tokens=(8,), fwd_bytes=(1e4,), back_bytes=(1e4,), step_overhead=5e-3,
+                pairs=(16,), tokens=(8,), fwd_bytes=(1e4,), back_bytes=(1e4,), step_overhead=(5e-3,),
                 costs=RuntimeCosts())
     base.update(kw)
     return RuntimeSim(**base)
@@ -108,11 +108,34 @@ def _sim(**kw) -> RuntimeSim:  # type: ignore[no-untyped-def]
 def test_runtime_sim_serial_and_pipelined() -> None:
     # m = 1: attention and experts alternate: L * (Ta + Te) + overhead
     assert simulate_runtime(_sim()).step_s == pytest.approx(4 * 3e-3 + 5e-3)
-    # m = 2, expert-bound: the expert worker runs back to back; the first Ta and the last combine stick out
-    r = simulate_runtime(_sim(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4),
-                              fwd_bytes=(1, 1), back_bytes=(1, 1)))
-    assert r.step_s == pytest.approx(1e-3 + 4 * 2 * 2e-3 + 5e-3)
-    assert r.busy[1] == pytest.approx(16e-3 / r.step_s, rel=1e-3)
+    # m = 2 lanes, expert-bound, nothing at the step boundary: a lane that finishes begins its next
+    # step at once, so the expert worker never idles: a lane's period is 2 lanes x 4 layers x Te
+    pipelined = dict(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4), fwd_bytes=(1, 1),
+                     back_bytes=(1, 1))
+    r = simulate_runtime(_sim(step_overhead=(0.0, 0.0), **pipelined))
+    assert r.step_s == pytest.approx(2 * 4 * 2e-3)
+    assert r.busy[1] > 0.97
+    # each lane pays its own step overhead, on the attention worker's one thread: at least
+    # 2 x (4 Ta + 5 ms) per period
+    slow = simulate_runtime(_sim(step_overhead=(5e-3, 5e-3), **pipelined))
+    assert slow.step_s >= 2 * (4e-3 + 5e-3) - 1e-12
+    # with one lane, where the overhead falls (begin or finish) does not matter
+    assert simulate_runtime(_sim(begin=(2e-3,))).step_s == pytest.approx(4 * 3e-3 + 5e-3)
+
+
+def test_runtime_sim_lent_cores() -> None:
+    lend = ((1.0, 1.8), (100.0, 1.8))
+    # m = 1 on two cores: the experts run while the attention worker waits, on both cores
+    r = simulate_runtime(_sim(costs=RuntimeCosts(cores=2, lend_expert_points=lend)))
+    assert r.step_s == pytest.approx(4 * (1e-3 + 2e-3 / 1.8) + 5e-3)
+    # nothing to lend on one core, and pinned workers do not borrow
+    assert simulate_runtime(_sim(costs=RuntimeCosts(cores=1, lend_expert_points=lend))).step_s == \
+        pytest.approx(4 * 3e-3 + 5e-3)
+    pinned = simulate_runtime(_sim(costs=RuntimeCosts(cores=2, lend_expert_points=lend), affinity=(0, 1)))
+    assert pinned.step_s == pytest.approx(4 * 3e-3 + 5e-3)
+    # the LM head borrows the expert worker's core at the step boundary
+    head = RuntimeCosts(cores=2, lm_head_s=4e-3, lend_lm_head_points=((1.0, 2.0), (64.0, 2.0)))
+    assert simulate_runtime(_sim(costs=head)).step_s == pytest.approx(4 * 3e-3 + 5e-3 + 2e-3)
 
 
 def test_runtime_sim_costs_and_merging() -> None:
@@ -137,9 +160,10 @@ def test_runtime_sim_shares_cores() -> None:
     # one core: the two processes' work adds up (there is always one of them runnable)
     pipelined = dict(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4), fwd_bytes=(1, 1),
                      back_bytes=(1, 1))
-    one = simulate_runtime(_sim(costs=RuntimeCosts(cores=1), **pipelined))
-    assert one.step_s == pytest.approx(4 * 2 * (1e-3 + 2e-3) + 5e-3)
-    assert simulate_runtime(_sim(costs=RuntimeCosts(cores=2), **pipelined)).step_s < one.step_s
+    one = simulate_runtime(_sim(costs=RuntimeCosts(cores=1), step_overhead=(5e-3, 5e-3), **pipelined))
+    assert one.step_s == pytest.approx(4 * 2 * (1e-3 + 2e-3) + 2 * 5e-3)
+    assert simulate_runtime(_sim(costs=RuntimeCosts(cores=2), step_overhead=(5e-3, 5e-3), **pipelined)).step_s \
+        < one.step_s
 
 
 def test_predict_local_runtime_method() -> None:
@@ -156,7 +180,7 @@ def test_predict_local_runtime_method() -> None:
 
 def test_runtime_sim_pinning_and_corun() -> None:
     pipelined = dict(micro_batches=(4, 4), ta=(1e-3, 1e-3), pairs=(8, 8), tokens=(4, 4), fwd_bytes=(1, 1),
-                     back_bytes=(1, 1))
+                     back_bytes=(1, 1), step_overhead=(5e-3, 5e-3))
     # pinned to one core == one core
     same = simulate_runtime(_sim(costs=RuntimeCosts(cores=2), affinity=(0, 0), **pipelined))
     one = simulate_runtime(_sim(costs=RuntimeCosts(cores=1), **pipelined))

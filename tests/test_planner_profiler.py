@@ -76,6 +76,14 @@ def test_profile_of_tiny_model(tiny: Path, tmp_path: Path) -> None:
     assert rt is not None and rt.cores == CORES and rt.send_s + rt.send_per_byte_s > 0 and rt.take_s > 0
     assert len(s["attention_workers"]) == 2 * 2 + 2 and len(s["expert"]) == 4 and len(s["step"]) == 2
     assert len(s["lm_head"]) == 2 and len(rt.lm_head_points) == 2 and rt.lm_head_time(4) > 0
+    b, t = (list(c) for c in zip(*s["begin"]))  # the part before the first layer: within the overhead
+    assert len(b) == 2 and _solves_nnls([[1.0] * 2, b], t, [rt.begin_s, rt.begin_per_token_s])
+    assert all(0 < x < o for (_, x), (_, o) in zip(s["begin"], s["step"]))
+    if CORES > 1:  # lent cores: speed-ups on every core, never below 1, one per measured size
+        assert [p[0] for p in rt.lend_lm_head_points] == [1.0, 4.0] and len(rt.lend_expert_points) == 2
+        assert all(x >= 1.0 for _, x in rt.lend_lm_head_points + rt.lend_expert_points)
+    else:
+        assert rt.lend_lm_head_points == rt.lend_expert_points == ()
     assert {"transport_oneway", "transport_send", "transport_take", "transport_wake"} <= set(s)
     # usable by the local model, with both methods
     spec = load_model_spec(str(tiny))

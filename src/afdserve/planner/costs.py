@@ -159,7 +159,12 @@ class RuntimeCosts:
       takes while a worker of the other role computes on another core (they share the last-level
       cache and the memory bandwidth), measured;
     * ``cores``: CPU cores the worker processes share; with more runnable workers than cores they
-      time-share them (0: every worker has its own core or device).
+      time-share them (0: every worker has its own core or device);
+    * ``begin_s + begin_per_token_s * b``: the part of a step's overhead before its first layer
+      (``Engine.begin``: scheduling, inputs), which delays the experts' first layer;
+    * ``lend_expert_points`` / ``lend_lm_head_points``: measured ``(pairs or b, speed-up)`` of the
+      fused MoE / the LM head on every core over one thread: what they gain from the cores that
+      waiting workers lend (the cpu backend's ``lend_idle_cores``); interpolated, 1 where empty.
     """
 
     cores: int = 0
@@ -175,6 +180,19 @@ class RuntimeCosts:
     lm_head_points: tuple[tuple[float, float], ...] = ()  # measured (b, seconds): interpolated
     corun_attention: float = 1.0
     corun_expert: float = 1.0
+    begin_s: float = 0.0
+    begin_per_token_s: float = 0.0
+    lend_expert_points: tuple[tuple[float, float], ...] = ()
+    lend_lm_head_points: tuple[tuple[float, float], ...] = ()
+
+    def begin_time(self, b: float) -> float:
+        return self.begin_s + self.begin_per_token_s * b
+
+    def lend_expert_speedup(self, pairs: float) -> float:
+        return _interp(self.lend_expert_points, pairs)
+
+    def lend_lm_head_speedup(self, b: float) -> float:
+        return _interp(self.lend_lm_head_points, b)
 
     def lm_head_time(self, b: float) -> float:
         if len(self.lm_head_points) >= 2:  # piecewise linear between the measured points
@@ -187,3 +205,9 @@ class RuntimeCosts:
     def send_time(self, nbytes: float, receiver_asleep: bool = False) -> float:
         return self.send_s + self.send_per_byte_s * nbytes + (self.ring_s if receiver_asleep else 0.0)
 
+
+def _interp(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear through ``points`` (clamped at the ends); 1.0 without points."""
+    if not points:
+        return 1.0
+    return float(np.interp(x, [p[0] for p in points], [p[1] for p in points]))

@@ -33,7 +33,7 @@ from afdserve.planner.runtime_sim import RuntimeSim, pinned_round_robin, simulat
 from afdserve.planner.simulator import SimConfig, simulate
 from afdserve.planner.spec import ModelSpec
 
-__all__ = ["LocalPrediction", "predict_local", "predict_iteration_time", "tokens_per_expert_worker"]
+__all__ = ["LocalPrediction", "predict_local", "predict_colocated", "predict_iteration_time", "tokens_per_expert_worker"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class LocalPrediction:
     micro_batch_sizes: tuple[int, ...]
     experts_per_worker: int
     expert_cost_scaled: bool  # True when k4 was scaled from a profile entry with another expert count
-    method: str = "analytic"  # "analytic" (Eq. 5 pipeline) or "runtime" (simulated runtime)
+    method: str = "analytic"  # "analytic" (Eq. 5 pipeline), "runtime" (simulated runtime) or "colocated"
     busy: tuple[float, ...] = ()  # runtime method: CPU busy fraction of each worker (attention first)
 
 
@@ -101,8 +101,12 @@ def predict_local(
     """Predicted decoding step of a local deployment (see the module docstring for ``method``:
     ``"auto"`` is ``"runtime"`` when the profile has runtime costs, else ``"analytic"``).
 
+    ``n_e = 0`` is the colocated engine (:func:`predict_colocated`; ``n_a``, ``m`` are ignored).
+
     ``pinned`` (runtime method): the worker processes are pinned to the profile's cores round-robin
     (attention workers first; :func:`pinned_round_robin`) instead of being balanced by the OS."""
+    if n_e == 0:
+        return predict_colocated(profile, batch_per_attention_worker, seq_len, model_spec, gpu=gpu)
     if min(n_a, n_e, m, batch_per_attention_worker) < 1:
         raise ValueError("n_a, n_e, m and batch_per_attention_worker must be >= 1")
     if method not in ("auto", "runtime", "analytic"):
@@ -130,15 +134,18 @@ def predict_local(
     if method == "runtime":
         rt = profile.runtime
         assert rt is not None
+        # every lane's step pays the step overhead of its micro-batch (runtime/lanes.py)
+        lane_steps = tuple(profile.step_fixed_s + profile.step_per_token_s * x for x in sizes)
         sim = simulate_runtime(RuntimeSim(
             n_a=n_a, n_e=n_e, num_layers=spec.num_layers, micro_batches=sizes, ta=tuple(ta),
             te_per_pair=exp.k3, te_fixed=exp.k4, pairs=tuple(pairs), tokens=tuple(toks), fwd_bytes=tuple(fwd),
-            back_bytes=tuple(back), step_overhead=step, costs=rt,
-            affinity=pinned_round_robin(n_a, n_e, rt.cores) if pinned else None))
+            back_bytes=tuple(back), step_overhead=lane_steps, costs=rt,
+            affinity=pinned_round_robin(n_a, n_e, rt.cores) if pinned else None,
+            begin=tuple(rt.begin_time(x) for x in sizes)))
         te = [exp.time(p * n_a) for p in pairs]
         return LocalPrediction(
             iteration_s=sim.step_s,
-            pipeline_s=sim.step_s - step - lm_head,
+            pipeline_s=sim.step_s - sum(lane_steps) - lm_head,
             ta_s=max(ta) + (n_e - 1) * rt.dispatch_per_worker_s,
             te_s=max(te),
             tc_a2e_s=rt.send_time(max(fwd)) + rt.take_s,
@@ -178,6 +185,25 @@ def predict_local(
         experts_per_worker=epw,
         expert_cost_scaled=scaled,
     )
+
+
+def predict_colocated(profile: Profile, batch: int, seq_len: float, model_spec: ModelSpec, *,
+                      gpu: str = "") -> LocalPrediction:
+    """The colocated engine (``expert_workers=0``: attention and every expert in one process, one
+    thread): per step its overhead, ``L`` layers of attention (``Ta``) and all the experts over the
+    batch's ``b * K`` pairs (``Te`` of a worker holding all ``E``), and the LM head."""
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    spec = model_spec
+    ta = _attention(profile, gpu).time(batch, seq_len)
+    exp, scaled = _expert(profile, gpu, spec.num_experts)
+    te = exp.time(batch * spec.top_k)
+    lm_head = profile.runtime.lm_head_time(batch) if profile.runtime is not None else 0.0
+    layers = spec.num_layers * (ta + te)
+    step = profile.step_fixed_s + profile.step_per_token_s * batch
+    return LocalPrediction(iteration_s=layers + lm_head + step, pipeline_s=layers, ta_s=ta, te_s=te, tc_a2e_s=0.0,
+                           tc_e2a_s=0.0, micro_batch_sizes=(batch,), experts_per_worker=spec.num_experts,
+                           expert_cost_scaled=scaled, method="colocated", busy=(1.0,))
 
 
 def predict_iteration_time(

@@ -98,8 +98,8 @@ class Profile:
             "notes": self.notes,
         }
         if self.runtime is not None:
-            out["runtime"] = {**asdict(self.runtime),
-                              "lm_head_points": [list(p) for p in self.runtime.lm_head_points]}
+            rt = asdict(self.runtime)
+            out["runtime"] = {**rt, **{k: [list(p) for p in v] for k, v in rt.items() if k.endswith("_points")}}
         if self.samples is not None:
             out["samples"] = self.samples
         return out
@@ -157,7 +157,7 @@ class Profile:
                 def conv(k: str, v: Any) -> Any:
                     if k == "cores":
                         return int(v)
-                    if k == "lm_head_points":
+                    if k.endswith("_points"):
                         return tuple(sorted((float(p[0]), float(p[1])) for p in v))
                     return float(v)
 

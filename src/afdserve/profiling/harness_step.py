@@ -49,17 +49,18 @@ def measure_step(
     dtype: str = "float32",
     prompt_len: int = 8,
     log: Callable[[str], None] = lambda s: None,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """``([b, overhead_s], [b, lm_head_s])``: the per-step work of an attention worker outside its
-    layers -- scheduling, metadata, micro-batch split, embedding, sampling, and shipping the new
-    tokens over a pipe as the worker does -- and the LM head of a micro-batch (timed apart because
-    the runtime runs it per micro-batch).  Timed in CPU time with the real ``Engine`` driving the
+) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+    """``([b, overhead_s], [b, lm_head_s], [b, begin_s])``: the per-step work of an attention worker
+    outside its layers -- scheduling, metadata, micro-batch split, embedding, sampling, and shipping
+    the new tokens over a pipe as the worker does --, the LM head of a micro-batch (timed apart
+    because the runtime runs it per lane step), and the part of the overhead before the first layer
+    (``Engine.begin``).  Timed in CPU time with the real ``Engine`` driving the
     attention worker's ``PipelinedRunner`` (loop-back links, one expert worker, ``m = 1``): a decode
     step minus the span from its first layer's attention to its last span, the LM head spans from
     the runner's own trace."""
     ckpt = Checkpoint(model_path, dtype)
     cfg = ckpt.cfg
-    over, head = [], []
+    over, head, begins = [], [], []
     sink = _PipeSink()
     try:
         for b in batches:
@@ -75,12 +76,15 @@ def measure_step(
                                 params)
             eng.step()  # prefill
             sink.ctl.send(_step_outputs(eng, eng.step()))  # the first decode step
-            ts, hs = [], []
+            ts, hs, bs = [], [], []
             for _ in range(repeats):
                 flush()
                 tracer.spans.clear()
                 t0 = cpu_time()
-                sink.ctl.send(_step_outputs(eng, eng.step()))
+                step = eng.begin()
+                bs.append(cpu_time() - t0)
+                assert step is not None
+                sink.ctl.send(_step_outputs(eng, eng.finish(step, eng.runner.forward(step.model_input))))
                 total = cpu_time() - t0
                 first = min(sp[2] for sp in tracer.spans)
                 last = max(sp[3] for sp in tracer.spans)
@@ -89,11 +93,12 @@ def measure_step(
             t, h = float(statistics.median(ts)), float(statistics.median(hs))
             over.append([float(b), t])
             head.append([float(b), h])
+            begins.append([float(b), float(statistics.median(bs))])
             log(f"  step overhead b={b:<4} {t * 1e3:8.3f} ms   LM head {h * 1e3:8.3f} ms")
             del eng
     finally:
         sink.close()
-    return over, head
+    return over, head, begins
 
 
 def _step_outputs(eng, outs) -> StepOutputs:

@@ -11,7 +11,9 @@ Everything is timed with the code the runtime runs, one thread per process as th
 * **per-step overhead** outside the layers and the **LM head** of a micro-batch
   (:mod:`.harness_step`): the real ``Engine`` driving the attention worker's ``PipelinedRunner``;
 * **co-running** (:mod:`.corun`): how much an attention worker's and an expert worker's work slow
-  down while the other role computes on another core.
+  down while the other role computes on another core;
+* **lent cores** (:mod:`.harness_lend`): what the fused MoE and the LM head gain on every core over
+  one thread (the cores waiting workers lend them).
 
 **Caches.** Every timed call is preceded by evicting the caches (:class:`.CacheFlusher`; ``evict=False``
 disables this; it makes CPU timings up to 2x optimistic).
@@ -54,6 +56,7 @@ from afdserve.profiling.corun import measure_corun
 from afdserve.profiling.grid import DEFAULT_GRID, ProfileGrid, attention_points
 from afdserve.profiling.harness_attention import measure_attention
 from afdserve.profiling.harness_expert import measure_expert
+from afdserve.profiling.harness_lend import measure_lend
 from afdserve.profiling.harness_step import measure_step
 from afdserve.profiling.harness_transport import measure_transport
 from afdserve.profiling.probes import cpu_cores, cpu_name, idle_fraction, llc_bytes
@@ -121,6 +124,7 @@ def run_profile(
     step_runs = [measure_step(path, grid.step_batches, grid.repeats, flush, dtype, log=quiet) for _ in range(passes)]
     step = least([r[0] for r in step_runs], 1)
     lm_head = least([r[1] for r in step_runs], 1)
+    begins = least([r[2] for r in step_runs], 1)
     for (b, t), (_, h) in zip(step, lm_head):
         log(f"  b={int(b):<4} overhead {t * 1e3:8.3f} ms   LM head {h * 1e3:8.3f} ms")
 
@@ -147,13 +151,25 @@ def run_profile(
                                  relative=True)
         runtime = replace(runtime, lm_head_s=h0, lm_head_per_token_s=h1,
                           lm_head_points=tuple(sorted((r[0], r[1]) for r in lm_head)))
-    runtime = replace(runtime, corun_attention=corun_a, corun_expert=corun_e)
+    (b0, b1), _ = fit_affine([[1.0] * len(begins), [r[0] for r in begins]], [r[1] for r in begins], relative=True)
+    runtime = replace(runtime, corun_attention=corun_a, corun_expert=corun_e, begin_s=b0, begin_per_token_s=b1)
+    if grid.lend and cpu_cores() > 1:
+        log(f"lent cores: speed-ups on {cpu_cores()} threads over one:")
+        head_x, moe_x = measure_lend(path, grid.step_batches, grid.pairs_per_expert, cpu_cores(), grid.repeats, flush,
+                                     dtype, log=log)
+        runtime = replace(runtime, lend_lm_head_points=tuple((b, x) for b, x in head_x),
+                          lend_expert_points=tuple((p, x) for p, x in moe_x))
+        samples_lend = {"lend_lm_head": head_x, "lend_expert": moe_x}
+    else:
+        samples_lend = {}
     samples: dict[str, list[list[float]]] = {"attention": att_1}
     samples["attention_workers"] = [list(map(float, r)) for r in att]
     samples["expert"] = [[float(e), r[0], r[1]] for e, rows in exp.items() for r in rows]
     samples.update({f"transport_{k}": v for k, v in tr.as_dict().items()})
     samples["step"] = step
     samples["lm_head"] = lm_head
+    samples["begin"] = begins
+    samples.update(samples_lend)
     took = time.perf_counter() - t_start
     notes = (f"afdserve profile: {len(att)} attention, {sum(len(v) for v in exp.values())} expert, "
              f"{len(tr.oneway)} transport, {len(step)} step points; least of {passes} passes' medians of "
