@@ -32,6 +32,7 @@ from afdserve.planner.plot import plot_objective_vs_na
 from afdserve.planner.published import CASES, Case, findings_table, published_findings, run_case
 from afdserve.planner.report import (
     comparison_json,
+    cases_summary,
     comparison_table,
     families_table,
     gpu_table,
@@ -229,11 +230,14 @@ def run_alternatives(args: argparse.Namespace, cat: Catalog, cfg: SearchConfig) 
     else:
         if not args.model:
             raise ConfigError("--alternatives needs --model (or use --cases)")
+        if args.gpus and (args.attention_gpus or args.expert_gpus):
+            raise ConfigError("use either --gpus or --attention-gpus/--expert-gpus")
         gpus = _gpus(cat, args.gpus or args.attention_gpus) or [g for g in cat if g.price is not None]
-        case = Case("", args.model, tuple(g.name for g in gpus),
-                    None if args.expert_gpus is None else tuple(args.expert_gpus), cfg.slo_s * 1e3, cfg.seq_len)
-        runs = [(case, compare_families(load_model_spec(args.model), gpus, cfg, alt,
-                                        expert_gpus=_gpus(cat, args.expert_gpus)))]
+        # as the AFD search: --gpus is homogeneous, otherwise every attention x expert pair
+        exp = None if args.gpus else (_gpus(cat, args.expert_gpus) or gpus)
+        case = Case("", args.model, tuple(g.name for g in gpus), None if exp is None else tuple(g.name for g in exp),
+                    cfg.slo_s * 1e3, cfg.seq_len)
+        runs = [(case, compare_families(load_model_spec(args.model), gpus, cfg, alt, expert_gpus=exp))]
     for case, comp in runs:
         exp = "" if case.expert_gpus is None else f" (AFD experts on {','.join(case.expert_gpus)})"
         print(f"{(case.name + ': ') if case.name else ''}{comp.model} on {','.join(case.gpus)}{exp}; "
@@ -241,6 +245,8 @@ def run_alternatives(args: argparse.Namespace, cat: Catalog, cfg: SearchConfig) 
               + (f" -- {case.about}" if case.about else ""))
         print(families_table(comp))
         print()
+    if len(runs) > 1:
+        print(cases_summary([(c.name, comp) for c, comp in runs]))
     if args.json:
         out = [{"case": c.name, "gpus": list(c.gpus), "slo_ms": c.slo_ms, "seq_len": c.seq_len, **comp.to_json()}
                for c, comp in runs]

@@ -16,7 +16,8 @@ from afdserve.planner.spec import ModelSpec
 from afdserve.planner.verdict import Comparison
 
 __all__ = ["plans_table", "plans_json", "pair_matrix", "comparison_table", "comparison_json", "format_table",
-           "gpu_table", "model_table", "search_header", "profile_summary", "families_table"]
+           "gpu_table", "model_table", "search_header", "profile_summary", "families_table",
+           "cases_summary"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -187,10 +188,12 @@ def gpu_table(gpus: Iterable[GPUSpec]) -> str:
             f"{g.power_w:g}",
             f"{g.net_gbps:g}",
             f"{g.intra_node_gbs:g}",
+            str(g.nvlink_domain),
         ]
         for g in gpus
     ]
-    return format_table(["GPU", "price", "GB", "GB/s", "TFLOPS", "W", "net Gb/s", "NVLink/PCIe GB/s"], rows)
+    return format_table(["GPU", "price", "GB", "GB/s", "TFLOPS", "W", "net Gb/s", "NVLink/PCIe GB/s", "GPUs/domain"],
+                        rows)
 
 
 def _params(spec: ModelSpec) -> str:
@@ -278,3 +281,10 @@ def families_table(c: Comparison) -> str:
     w = c.winner
     tail = [f"ranked by throughput per {c.objective}", f"winner: {'-' if w is None else w.family} -- {c.reason}"]
     return "\n".join([format_table(header, rows), *(f"note: {n}" for n in c.notes), *tail])
+
+
+def cases_summary(runs: Sequence[tuple[str, Comparison]]) -> str:
+    """One line per case: the winning family, its layout and GPUs, and the reason."""
+    rows = [[name, c.model, "-" if c.winner is None else c.winner.family,
+             "-" if c.winner is None else f"{c.winner.layout} on {c.winner.gpus}", c.reason] for name, c in runs]
+    return format_table(["case", "model", "winner", "layout", "why"], rows)

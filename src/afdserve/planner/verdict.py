@@ -66,7 +66,7 @@ _PHRASES = {
 }
 
 
-def reason(winner: FamilyPlan, loser: FamilyPlan | None, objective: str, slo_s: float) -> str:
+def reason(winner: FamilyPlan, loser: FamilyPlan | None, objective: str) -> str:
     """Why ``winner`` beats ``loser`` (see the module docstring), in one line."""
     if loser is None:
         return f"{winner.family} is the only family with a plan meeting the SLO"
@@ -145,5 +145,5 @@ def compare_families(
         if f not in best:
             notes.append(f"{f}: no plan meets the SLO with the weights and one request in memory")
     why = "no family has a plan meeting the SLO" if not ranked else reason(
-        ranked[0], ranked[1] if len(ranked) > 1 else None, objective, cfg.slo_s)
+        ranked[0], ranked[1] if len(ranked) > 1 else None, objective)
     return Comparison(spec.name, objective, ranked, why, notes)
