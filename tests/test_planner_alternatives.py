@@ -90,6 +90,8 @@ def test_tp_step_by_hand_and_pipeline_stages_make_it_fit():
     plans = {q.layout: q for q in tp_plans(scaled, gpu, SearchConfig(), AltConfig(tp_sizes=(8,)))}
     assert plans["TP8"].limit == "memory" and plans["TP8"].weights_gb_per_gpu > 79
     assert plans["TP8xPP2"].throughput_per_gpu > 2 * plans["TP8"].throughput_per_gpu
+    for q in plans.values():  # every GPU-second of the step is accounted for, stages included
+        assert sum(q.terms.values()) * q.batch == pytest.approx(q.tbt_s * q.num_gpus)
 
 
 def _fp(family, tbt, batch, n, terms, limit="slo", kv_gpus=None, tpe=10.0):
@@ -124,6 +126,9 @@ def test_catalog_cases_pick_wide_ep_somewhere_and_afd_somewhere():
         values = [p.objective_value(c.objective) for p in c.best]
         assert values == sorted(values, reverse=True) and {p.family for p in c.best} == {"afd", "wide-ep", "tp"}
         assert c.reason.startswith(f"{c.winner.family} {c.gain(c.winner.family, c.best[1].family):.2f}x over")
+        for p in c.best:  # the terms account for every GPU-second of the step
+            assert sum(p.terms.values()) * p.batch == pytest.approx(p.tbt_s * p.num_gpus)
+            assert min(p.terms.values()) >= -1e-12
 
 
 def test_afd_talks_over_nvlink_inside_one_domain():

@@ -246,10 +246,10 @@ def tp_plans(spec: ModelSpec, gpu: GPUSpec, cfg: SearchConfig, alt: AltConfig) -
             b = _largest(tbt, cap, cfg.slo_s)
             if b < 1:
                 continue
-            g = t * p
-            per_step = {"attention": L * t * (k1 * b + att.k2), "expert_weights": L * t * exp.k4,
-                        "expert_compute": L * t * exp.k3 * b * K,
-                        "communication": L * t * 2 * ar * b + g * (p - 1) * hop * b}
+            g = t * p  # each GPU runs p micro-batches through L/p layers a step: L layer-visits of b
+            per_step = {"attention": L * g * (k1 * b + att.k2), "expert_weights": L * g * exp.k4,
+                        "expert_compute": L * g * exp.k3 * b * K,
+                        "communication": L * g * 2 * ar * b + g * (p - 1) * hop * b}
             out.append(_plan("tp", f"TP{t}" + (f"xPP{p}" if p > 1 else ""), gpu, g, b * p, tbt(b), weights,
                              "memory" if b == cap else "slo", b * K / E,
                              f"all-reduce over {fabric_name(gpu, t)}", f"all-reduce over {fabric_name(gpu, t)}",
