@@ -122,6 +122,8 @@ def test_catalog_cases_pick_wide_ep_somewhere_and_afd_somewhere():
     afd = run_case(by_name["h20-l40s-scaled-moe"])
     assert ep.winner.family == "wide-ep" and "A2E/E2A" in ep.reason
     assert afd.winner.family == "afd"
+    tight = run_case(by_name["h800-mixtral-50ms"])  # small batches: colocated experts see few tokens
+    assert tight.winner.family == "afd" and "too few tokens per expert" in tight.reason
     for c in (ep, afd):
         values = [p.objective_value(c.objective) for p in c.best]
         assert values == sorted(values, reverse=True) and {p.family for p in c.best} == {"afd", "wide-ep", "tp"}

@@ -49,6 +49,8 @@ CASES: tuple[Case, ...] = (
          about="MegaScale-Infer's H20 + L40S cluster"),
     Case("h20-l40s-scaled-moe", "scaled-moe", ("H20", "L40S"), ("H20", "L40S"),
          about="MegaScale-Infer's H20 + L40S cluster"),
+    Case("h800-mixtral-50ms", "mixtral-8x22b", ("H800",), slo_ms=50, seq_len=4096,
+         about="4k-token contexts"),
     Case("gb200-qwen3", "qwen3-235b-a22b", ("GB200",), seq_len=2048, about="an NVL72 rack, 2k-token contexts"),
     Case("h800-deepseek-v3", "deepseek-v3", ("H800",), about="an H800 cluster, 400 Gb/s per GPU"),
     Case("l40s-deepseek-v3", "deepseek-v3", ("L40S",), about="a PCIe cluster, 100 Gb/s per GPU"),
