@@ -184,5 +184,10 @@ def test_cli_prints_the_family_table_and_round_trips_json(tmp_path, capsys):
     data = json.loads(out.read_text())["comparisons"][0]
     ref = compare_families(load_model_spec("deepseek-v3"), [BUILTIN_GPUS["H800"]], SearchConfig())
     assert data == json.loads(json.dumps(ref.to_json())) | {k: data[k] for k in ("case", "gpus", "slo_ms", "seq_len")}
+    pub = tmp_path / "pub.json"
+    assert plan_main(["--published", "--json", str(pub)]) == 0
+    assert "| finding | paper | planner | gap |" in capsys.readouterr().out
+    rows = json.loads(pub.read_text())["findings"]
+    assert [r["planner"] for r in rows] == pytest.approx([f.planner for f in published_findings()])
     assert plan_main(["--alternatives"]) == 2  # no model
     assert plan_main(["--model", "dbrx", "--alternatives", "--profile", str(out)]) == 2

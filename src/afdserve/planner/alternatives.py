@@ -275,6 +275,7 @@ def afd_family_plan(spec: ModelSpec, p: Plan, gpu_a: GPUSpec, gpu_e: GPUSpec, cf
     thr = p.batch / p.tbt_s
     nvlink = not p.heterogeneous and p.num_gpus <= gpu_a.nvlink_domain  # as PlanEvaluator.links
     fabric = fabric_name(gpu_a, p.num_gpus) if nvlink else "RDMA"
+    sync = (gpu_e, p.tp_e) if p.tp_e > p.tp_a else (gpu_a, p.tp_a)  # the larger TP group's link
     layout = (f"attn tp{p.tp_a}x{p.n_a} + exp tp{p.tp_e}x{p.n_e}"
               + (f" ({p.experts_per_node}/node)" if p.experts_per_node > 1 else "") + f", m={m}")
     return FamilyPlan("afd", layout, p.attention_gpu if not p.heterogeneous else f"{p.attention_gpu}+{p.expert_gpu}",
@@ -282,5 +283,5 @@ def afd_family_plan(spec: ModelSpec, p: Plan, gpu_a: GPUSpec, gpu_e: GPUSpec, cf
                       p.n_a * p.tp_a,
                       "memory" if p.b_a >= mem_cap else "slo", p.b_e / p.experts_per_node,
                       f"A2E/E2A over {fabric} (Tc {p.tc_s * 1e3:.2f} ms, Tf {max(p.ta_s, p.te_s) * 1e3:.2f} ms)",
-                      "" if max(p.tp_a, p.tp_e) == 1 else f"TP all-reduce over {fabric_name(gpu_a, max(p.tp_a, p.tp_e))}",
+                      "" if max(p.tp_a, p.tp_e) == 1 else f"TP all-reduce over {fabric_name(*sync)}",
                       {k: per_step.get(k, 0.0) / p.batch for k in TERMS}, p)

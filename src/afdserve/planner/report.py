@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from afdserve.planner.alternatives import TERMS
 from afdserve.planner.catalog import GPUSpec
 from afdserve.planner.plan import Plan
 from afdserve.planner.profile import Profile
@@ -271,13 +272,12 @@ def profile_summary(prof: Profile) -> str:
 def families_table(c: Comparison) -> str:
     """The best plan of each family (best first), what bounds its batch, and its GPU-us per output
     token by what they are spent on; then the winner and the reason."""
-    header = ["family", "layout", "GPUs", "n", "requests", "req/GPU", "batch limit", "TBT ms", "tok/s/GPU", "tok/s/cost",
-              "GB w/GPU", "tok/expert", "us/tok attn", "exp W", "exp C", "comm", "idle"]
+    header = ["family", "layout", "GPUs", "n", "requests", "req/GPU", "batch limit", "TBT ms", "tok/s/GPU",
+              "tok/s/cost", "GB w/GPU", "tok/expert", "us/tok attn", "exp W", "exp C", "comm", "idle"]
     rows = [[p.family, p.layout, p.gpus, str(p.num_gpus), f"{p.batch:,}", f"{p.requests_per_gpu:.0f}",
              p.limit, f"{p.tbt_s * 1e3:.1f}", _num(p.throughput_per_gpu), _num(p.throughput_per_cost),
              f"{p.weights_gb_per_gpu:.1f}", f"{p.tokens_per_expert:.0f}",
-             *(f"{p.terms[k] * 1e6:.1f}" for k in ("attention", "expert_weights", "expert_compute", "communication",
-                                                  "idle"))] for p in c.best]
+             *(f"{p.terms[k] * 1e6:.1f}" for k in TERMS)] for p in c.best]
     w = c.winner
     tail = [f"ranked by throughput per {c.objective}", f"winner: {'-' if w is None else w.family} -- {c.reason}"]
     return "\n".join([format_table(header, rows), *(f"note: {n}" for n in c.notes), *tail])
