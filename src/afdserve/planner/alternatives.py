@@ -57,7 +57,6 @@ class AltConfig:
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     pp_sizes: tuple[int, ...] = (1, 2, 4)
     a2a_latency_s: float = 0.0  # per dispatch or combine (the AFD search's Util = 1 assumes none either)
-    max_requests_per_instance: int | None = None  # a serving engine's cap (e.g. vLLM max_num_seqs)
 
     def __post_init__(self) -> None:
         bad = set(self.families) - set(FAMILIES)
@@ -190,8 +189,6 @@ def wide_ep_plans(spec: ModelSpec, gpu: GPUSpec, cfg: SearchConfig, alt: AltConf
         exp = roofline.expert_cost(spec, gpu, 1, epg, cfg.roofline)
         weights = spec.attention_param_bytes + spec.expert_node_param_bytes(epg)
         cap = _fits(gpu.memory_bytes, weights, kv_bytes_per_request(spec, s) + buffer_bytes_per_request(spec))
-        if alt.max_requests_per_instance is not None:
-            cap = min(cap, alt.max_requests_per_instance)
         a2a_bytes = K * spec.hidden_size * spec.act_bytes  # per request, dispatch (combine the same)
 
         for tbo in alt.tbo:
@@ -235,8 +232,6 @@ def tp_plans(spec: ModelSpec, gpu: GPUSpec, cfg: SearchConfig, alt: AltConfig) -
             weights = (spec.attention_param_bytes + E * spec.expert_node_param_bytes(1)) / (t * p)
             per_req = kv_bytes_per_request(spec, s) * spec.kv_replication(t) / t + buffer_bytes_per_request(spec)
             cap = _fits(gpu.memory_bytes, weights, per_req)  # b per micro-batch: each GPU holds p of L/p layers
-            if alt.max_requests_per_instance is not None:
-                cap = min(cap, max(alt.max_requests_per_instance // p, 0))
             hop = spec.hidden_size * spec.act_bytes / (gpu.net_Bps if t * p > gpu.nvlink_domain
                                                        else gpu.intra_node_Bps_per_direction)
 
