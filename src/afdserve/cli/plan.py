@@ -6,6 +6,8 @@ Examples::
     afdserve plan --model dbrx --attention-gpus H20,A800 --expert-gpus L40S,A800 --json plans.json --plot plans.png
     afdserve plan --compare-hetero              # every preset: best hetero pair vs best homogeneous
     afdserve plan --list-gpus
+    afdserve plan --model deepseek-v3 --gpus H800 --alternatives   # AFD vs wide EP vs TP: winner and why
+    afdserve plan --cases | --published     # every built-in case; published findings recomputed
     afdserve plan kv [--model FOLDER] [--kv-cache-gb 1] [--prompt-tokens 4096,32768]   # KV capacity
 
 The main CLI registers this module with ``add_parser(subparsers)`` and dispatches to ``main(args)``;
@@ -18,16 +20,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from afdserve.cluster.spec import from_plan
-from afdserve.errors import AfdServeError
+from afdserve.errors import AfdServeError, ConfigError
 from afdserve.planner import PRESETS, Profile, SearchConfig, compare_hetero, load_model_spec, load_profile, search
 from afdserve.planner.catalog import Catalog, GPUSpec, load_catalog
+from afdserve.planner.alternatives import FAMILIES, AltConfig
 from afdserve.planner.plot import plot_objective_vs_na
+from afdserve.planner.published import CASES, Case, findings_table, published_findings, run_case
 from afdserve.planner.report import (
     comparison_json,
+    cases_summary,
     comparison_table,
+    families_table,
     gpu_table,
     model_table,
     pair_matrix,
@@ -37,6 +44,7 @@ from afdserve.planner.report import (
 )
 from afdserve.planner.roofline import RooflineOptions
 from afdserve.planner.search_config import DEFAULT_SEQ_LEN
+from afdserve.planner.verdict import compare_families
 
 __all__ = ["add_parser", "build_parser", "main"]
 
@@ -72,6 +80,15 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="for every preset (or --models): best heterogeneous pair vs best homogeneous plan",
     )
     what.add_argument("--models", type=_names, help="models for --compare-hetero (default: all presets)")
+    what.add_argument("--alternatives", action="store_true",
+                      help="compare AFD with colocated DP attention + wide EP and with TP: the best plan of each "
+                           "family, the winner and the reason")
+    what.add_argument("--cases", action="store_true", help="--alternatives on every built-in case")
+    what.add_argument("--published", action="store_true",
+                      help="published AFD findings recomputed by the planner (a markdown table)")
+    what.add_argument("--families", type=_names, help="families for --alternatives (default afd,wide-ep,tp)")
+    what.add_argument("--ep-sizes", type=_ints, help="wide-EP sizes (default: powers of 2 dividing E)")
+    what.add_argument("--no-tbo", action="store_true", help="wide EP without two-batch overlap only")
     what.add_argument("--list-gpus", action="store_true", help="print the hardware catalog and exit")
     what.add_argument("--list-models", action="store_true", help="print the model presets and exit")
 
@@ -194,10 +211,56 @@ def run_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_alternatives(args: argparse.Namespace, cat: Catalog, cfg: SearchConfig) -> int:
+    """``--alternatives`` / ``--cases`` / ``--published`` (planner.verdict, planner.published)."""
+    if args.profile:
+        raise ConfigError("--alternatives/--cases/--published compare roofline estimates; drop --profile")
+    if args.published:
+        found = published_findings(cat)
+        print(findings_table(found))
+        if args.json:
+            rows = [{**asdict(f), "gap": f.gap, "reproduced": f.reproduced} for f in found]
+            args.json.write_text(json.dumps({"findings": rows}, indent=2) + "\n")
+            print(f"wrote {args.json}")
+        return 0
+    alt = AltConfig(families=tuple(args.families or FAMILIES), ep_sizes=args.ep_sizes,
+                    tbo=(False,) if args.no_tbo else (False, True))
+    if args.cases:
+        runs = [(c, run_case(c, cat, alt)) for c in CASES]
+    else:
+        if not args.model:
+            raise ConfigError("--alternatives needs --model (or use --cases)")
+        if args.gpus and (args.attention_gpus or args.expert_gpus):
+            raise ConfigError("use either --gpus or --attention-gpus/--expert-gpus")
+        gpus = _gpus(cat, args.gpus or args.attention_gpus) or [g for g in cat if g.price is not None]
+        # as the AFD search: --gpus is homogeneous, otherwise every attention x expert pair
+        exp = None if args.gpus else (_gpus(cat, args.expert_gpus) or gpus)
+        case = Case("", args.model, tuple(g.name for g in gpus), None if exp is None else tuple(g.name for g in exp),
+                    cfg.slo_s * 1e3, cfg.seq_len)
+        runs = [(case, compare_families(load_model_spec(args.model), gpus, cfg, alt, expert_gpus=exp))]
+    for case, comp in runs:
+        exp = "" if case.expert_gpus is None else f" (AFD experts on {','.join(case.expert_gpus)})"
+        print(f"{(case.name + ': ') if case.name else ''}{comp.model} on {','.join(case.gpus)}{exp}; "
+              f"SLO {case.slo_ms:g} ms, seq_len {case.seq_len:g}; roofline ESTIMATE"
+              + (f" -- {case.about}" if case.about else ""))
+        print(families_table(comp))
+        print()
+    if len(runs) > 1:
+        print(cases_summary([(c.name, comp) for c, comp in runs]))
+    if args.json:
+        out = [{"case": c.name, "gpus": list(c.gpus), "slo_ms": c.slo_ms, "seq_len": c.seq_len, **comp.to_json()}
+               for c, comp in runs]
+        args.json.write_text(json.dumps({"comparisons": out}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if all(comp.best for _, comp in runs) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "report", None) == "kv":
         return run_kv(args)
     cat = load_catalog(args.catalog)
+    if args.alternatives or args.cases or args.published:
+        return run_alternatives(args, cat, _config(args))
     if args.list_gpus:
         print(gpu_table(cat))
         return 0

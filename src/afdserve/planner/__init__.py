@@ -9,12 +9,14 @@ part of the runtime.  Public API::
         GPUSpec, load_catalog,                                   # hardware
         Profile, fit, load_profile, save_profile,                # measured constants
         SearchConfig, Plan, search, compare_hetero,              # Algorithm 1
+        AltConfig, compare_families,                             # AFD vs wide EP vs TP, and why
         SimConfig, simulate,                                     # discrete-event pipeline simulator
         predict_iteration_time,                                  # local runtime prediction
         attention_request_cost,                                  # the attention balancer's cost
     )
 """
 
+from afdserve.planner.alternatives import AltConfig, FamilyPlan
 from afdserve.planner.catalog import BUILTIN_GPUS, Catalog, GPUSpec, load_catalog
 from afdserve.planner.costs import AttentionCost, ExpertCost, NetworkProfile, RuntimeCosts, UtilCurve, WireFormat
 from afdserve.planner.fitting import (
@@ -37,6 +39,7 @@ from afdserve.planner.search_config import SearchConfig
 from afdserve.planner.simulator import SimConfig, SimResult, simulate
 from afdserve.planner.spec import MLAConfig, ModelSpec
 from afdserve.planner.spec_loader import from_hf_config, from_model_config, load_model_spec
+from afdserve.planner.verdict import Comparison, compare_families
 
 __all__ = [
     "ModelSpec",
@@ -75,6 +78,10 @@ __all__ = [
     "search",
     "evaluate",
     "compare_hetero",
+    "AltConfig",
+    "FamilyPlan",
+    "Comparison",
+    "compare_families",
     "SimConfig",
     "SimResult",
     "simulate",

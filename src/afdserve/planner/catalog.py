@@ -4,12 +4,13 @@ Built-in entries (:data:`BUILTIN_GPUS`):
 
 * L20, H800, A800, H20, L40S -- price (normalised so that L20 = 1.00), memory capacity, memory
   bandwidth and compute are Table 3 of the MegaScale-Infer paper (arXiv 2504.02263).
-* A100, H100, H200, B200 -- NVIDIA data sheets (cited per entry).  They have no sourced price
+* A100, H100, H200, B200, GB200 -- NVIDIA data sheets (cited per entry).  They have no sourced price
   (``price=None``): add one in a catalog TOML file to rank them by throughput per cost.
 
 Power is the board's maximum power (TDP).  ``net_gbps`` is the scale-out NIC bandwidth *per GPU*
 (a property of the server, not of the chip; see each entry's note), ``intra_node_gbs`` the
-bidirectional NVLink/PCIe bandwidth per GPU, used for tensor-parallel synchronisation.
+bidirectional NVLink/PCIe bandwidth per GPU, used for tensor-parallel synchronisation and the
+all-to-all of colocated expert parallelism among the ``nvlink_domain`` GPUs it joins (8: a server).
 
 Users add GPUs or override fields in a TOML file (see :func:`load_catalog`)::
 
@@ -60,6 +61,7 @@ class GPUSpec:
     intra_node_gbs: float  # NVLink / PCIe bandwidth per GPU (bidirectional), GB/s
     price: float | None = None  # relative price (L20 = 1.00), None when no sourced price
     source: str = ""
+    nvlink_domain: int = 8  # GPUs joined by intra_node_gbs (a server; 72 in an NVL72 rack)
 
     def __post_init__(self) -> None:
         for f in ("memory_gb", "mem_bw_gbs", "tflops", "power_w", "net_gbps", "intra_node_gbs"):
@@ -68,6 +70,8 @@ class GPUSpec:
                 raise ConfigError(f"GPU {self.name!r}: {f} must be a positive number, got {v!r}")
         if self.price is not None and not self.price > 0:
             raise ConfigError(f"GPU {self.name!r}: price must be positive, got {self.price!r}")
+        if not (isinstance(self.nvlink_domain, int) and self.nvlink_domain >= 1):
+            raise ConfigError(f"GPU {self.name!r}: nvlink_domain must be an integer >= 1, got {self.nvlink_domain!r}")
 
     # SI conversions used by the performance model
     @property
@@ -207,6 +211,21 @@ BUILTIN_GPUS: dict[str, GPUSpec] = {
         price=None,
         source="NVIDIA HGX B200 spec (8 GPUs: 1.44 TB HBM3e, 64 TB/s, BF16 36 PFLOPS with sparsity -> per GPU "
         "180 GB, 8 TB/s, 2.25 PFLOPS dense); 1000 W per GPU; NVLink 1.8 TB/s; DGX B200 8x400 Gb/s for 8 GPUs",
+    ),
+    "GB200": GPUSpec(
+        "GB200",
+        memory_gb=186,
+        mem_bw_gbs=8000,
+        tflops=2500,
+        power_w=1200,
+        net_gbps=400,
+        intra_node_gbs=1800,
+        price=None,
+        nvlink_domain=72,
+        source="NVIDIA GB200 NVL72 spec (72 Blackwell GPUs: 13.4 TB HBM3e, 576 TB/s, FP16/BF16 360 PFLOPS with "
+        "sparsity -> per GPU 186 GB, 8 TB/s, 2.5 PFLOPS dense; NVLink 1.8 TB/s per GPU in one 72-GPU domain); "
+        "power: 2,700 W per GB200 superchip (2 GPUs + Grace), 1,200 W per GPU assumed; one 400 Gb/s "
+        "ConnectX-7 per GPU",
     ),
 }
 

@@ -100,18 +100,27 @@ class PlanEvaluator:
             out.update(_na_candidates(n_star, cfg.na_radius, cfg.max_n_a))
         return sorted(out)
 
+    def links(self, n_a: int) -> tuple[float, float]:
+        """``W_a``, ``W_e`` of Eq. (6): the NICs, or NVLink (per direction) when attention and experts
+        are one GPU type and the whole deployment fits in one NVLink domain (e.g. a GB200 NVL72 rack)."""
+        g = self.gpu_a
+        if g.name == self.gpu_e.name and n_a * self.tp_a + self.n_e * self.tp_e <= g.nvlink_domain:
+            return g.intra_node_Bps_per_direction, g.intra_node_Bps_per_direction
+        return g.net_Bps, self.gpu_e.net_Bps
+
     def times(self, b_a: float, n_a: int) -> tuple[float, float, float, float]:
         s = self.spec
+        w_a, w_e = self.links(n_a)
         ta = self.k1 * b_a + self.att.k2
         b_e = pm.expert_micro_batch(b_a, n_a, s.top_k, self.n_e)
         te = self.exp.k3 * b_e + self.exp.k4
         tc = pm.comm_time(
             pm.a2e_bytes_per_gpu(b_a, s.hidden_size, s.top_k, self.tp_a, s.act_bytes),
             self.n_e * self.tp_e,
-            self.gpu_a.net_Bps,
+            w_a,
             pm.expert_recv_bytes_per_gpu(b_e, s.hidden_size, self.tp_e, s.act_bytes),
             n_a * self.tp_a,
-            self.gpu_e.net_Bps,
+            w_e,
             self.util[0],
             self.util[1],
         )
@@ -163,8 +172,9 @@ class PlanEvaluator:
         ua, ue = self.util
         h_act = s.hidden_size * s.act_bytes
         pairs_per_tok = n_a * s.top_k / self.n_e
-        wa = self.gpu_a.net_Bps * ua.peak
-        we = self.gpu_e.net_Bps * ue.peak
+        w_a, w_e = self.links(n_a)
+        wa = w_a * ua.peak
+        we = w_e * ue.peak
         a = (self.k1, self.att.k2)
         e = (self.exp.k3 * pairs_per_tok, self.exp.k4)
         snd = (h_act * s.top_k / (self.tp_a * wa), self.n_e * self.tp_e * ua.half_bytes / wa)

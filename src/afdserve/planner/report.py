@@ -7,15 +7,18 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from afdserve.planner.alternatives import TERMS
 from afdserve.planner.catalog import GPUSpec
 from afdserve.planner.plan import Plan
 from afdserve.planner.profile import Profile
 from afdserve.planner.search import HeteroComparison, SearchResult
 from afdserve.planner.search_config import SearchConfig
 from afdserve.planner.spec import ModelSpec
+from afdserve.planner.verdict import Comparison
 
 __all__ = ["plans_table", "plans_json", "pair_matrix", "comparison_table", "comparison_json", "format_table",
-           "gpu_table", "model_table", "search_header", "profile_summary"]
+           "gpu_table", "model_table", "search_header", "profile_summary", "families_table",
+           "cases_summary"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -186,10 +189,12 @@ def gpu_table(gpus: Iterable[GPUSpec]) -> str:
             f"{g.power_w:g}",
             f"{g.net_gbps:g}",
             f"{g.intra_node_gbs:g}",
+            str(g.nvlink_domain),
         ]
         for g in gpus
     ]
-    return format_table(["GPU", "price", "GB", "GB/s", "TFLOPS", "W", "net Gb/s", "NVLink/PCIe GB/s"], rows)
+    return format_table(["GPU", "price", "GB", "GB/s", "TFLOPS", "W", "net Gb/s", "NVLink/PCIe GB/s", "GPUs/domain"],
+                        rows)
 
 
 def _params(spec: ModelSpec) -> str:
@@ -262,3 +267,24 @@ def profile_summary(prof: Profile) -> str:
                      f"worker, {r.cores} cores; computing at once: attention x{r.corun_attention:.3f}, "
                      f"experts x{r.corun_expert:.3f}")
     return "\n".join(lines)
+
+
+def families_table(c: Comparison) -> str:
+    """The best plan of each family (best first), what bounds its batch, and its GPU-us per output
+    token by what they are spent on; then the winner and the reason."""
+    header = ["family", "layout", "GPUs", "n", "requests", "req/GPU", "batch limit", "TBT ms", "tok/s/GPU",
+              "tok/s/cost", "GB w/GPU", "tok/expert", "us/tok attn", "exp W", "exp C", "comm", "idle"]
+    rows = [[p.family, p.layout, p.gpus, str(p.num_gpus), f"{p.batch:,}", f"{p.requests_per_gpu:.0f}",
+             p.limit, f"{p.tbt_s * 1e3:.1f}", _num(p.throughput_per_gpu), _num(p.throughput_per_cost),
+             f"{p.weights_gb_per_gpu:.1f}", f"{p.tokens_per_expert:.0f}",
+             *(f"{p.terms[k] * 1e6:.1f}" for k in TERMS)] for p in c.best]
+    w = c.winner
+    tail = [f"ranked by throughput per {c.objective}", f"winner: {'-' if w is None else w.family} -- {c.reason}"]
+    return "\n".join([format_table(header, rows), *(f"note: {n}" for n in c.notes), *tail])
+
+
+def cases_summary(runs: Sequence[tuple[str, Comparison]]) -> str:
+    """One line per case: the winning family, its layout and GPUs, and the reason."""
+    rows = [[name, c.model, "-" if c.winner is None else c.winner.family,
+             "-" if c.winner is None else f"{c.winner.layout} on {c.winner.gpus}", c.reason] for name, c in runs]
+    return format_table(["case", "model", "winner", "layout", "why"], rows)
