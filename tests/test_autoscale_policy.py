@@ -5,7 +5,9 @@ import math
 
 import pytest
 
+from afdserve.cli.main import build_parser
 from afdserve.cli.main import main as cli
+from afdserve.cli.serve import autoscale_config
 from afdserve.errors import ConfigError
 from afdserve.planner.autoscale import AutoscaleConfig, AutoscalePolicy, Signals, parse_bounds
 from afdserve.planner.autoscale_day import DayConfig, run_day
@@ -30,6 +32,22 @@ def test_bounds_parse_and_bad_bounds_are_refused():
         policy(start=(4, 1))
     with pytest.raises(ConfigError, match="down_fraction"):
         policy(up_fraction=0.4, down_fraction=0.5)
+
+
+def test_serve_flags():
+    def cfg(*argv):
+        return autoscale_config(build_parser().parse_args(["serve", *argv]))
+
+    assert cfg() is None
+    c = cfg("--autoscale", "--autoscale-attention", "1:3", "--slo-tpot-ms", "50", "--autoscale-window", "5")
+    assert (c.attention_sizes, c.expert_sizes, c.slo_tpot_s, c.window_s) == ((1, 2, 3), (1,), 0.05, 5.0)
+    for argv, why in ((["--autoscale"], "needs --autoscale-attention"),
+                      (["--autoscale-experts", "1:2"], "need --autoscale"),
+                      (["--autoscale", "--autoscale-attention", "2:3"], "starts at 1 workers, outside"),
+                      (["--autoscale", "--autoscale-attention", "1:x"], "expected MIN:MAX"),
+                      (["--autoscale", "--autoscale-attention", "1:2", "--expert-workers", "0"], "disaggregated")):
+        with pytest.raises(ConfigError, match=why):
+            cfg(*argv)
 
 
 def test_up_needs_a_sustained_window_then_waits_out_the_cooldown():

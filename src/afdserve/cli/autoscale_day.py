@@ -54,7 +54,8 @@ def main(args: argparse.Namespace) -> int:
     a, f = rep.autoscaled, rep.fixed
     print(f"{cfg.model} on {cfg.gpu} (tp {cfg.tp_a}/{cfg.tp_e}, m={cfg.micro_batches}), TPOT SLO "
           f"{cfg.slo_tpot_s * 1e3:g} ms, TTFT SLO {cfg.slo_ttft_s * 1e3:g} ms; {cfg.hours:g} h diurnal trace, "
-          f"peak/trough {cfg.peak_trough:g}, peak {rep.peak_tok_s:.0f} decode tok/s, noise {cfg.noise:g}, seed {cfg.seed}")
+          f"peak/trough {cfg.peak_trough:g}, peak {rep.peak_tok_s:.0f} decode tok/s, noise {cfg.noise:g}, "
+          f"seed {cfg.seed}")
     print(f"autoscaled: {a.worker_hours:.1f} worker-hours ({a.gpu_hours:.1f} GPU-hours), SLO attainment "
           f"{a.attainment:.2%}, {a.resizes} resizes")
     if f is None:
