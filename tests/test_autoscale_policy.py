@@ -1,6 +1,8 @@
 """The autoscaling policy as a pure object (signals in, decision out, the clock injected): hysteresis,
-cool-down, bounds, which pool; and the simulated diurnal day against the best fixed deployment."""
+cool-down, bounds, which pool; the simulated diurnal day against the best fixed deployment; the
+serving loop's handling of a resize that fails or never answers."""
 
+import asyncio
 import math
 
 import pytest
@@ -8,9 +10,12 @@ import pytest
 from afdserve.cli.main import build_parser
 from afdserve.cli.main import main as cli
 from afdserve.cli.serve import autoscale_config
-from afdserve.errors import ConfigError
+from afdserve.engine.stats import EngineStats
+from afdserve.errors import ConfigError, WorkerError
 from afdserve.planner.autoscale import AutoscaleConfig, AutoscalePolicy, Signals, parse_bounds
 from afdserve.planner.autoscale_day import DayConfig, run_day
+from afdserve.serving.autoscaler import Autoscaler
+from afdserve.serving.metrics import ServingMetrics
 
 SLO = 0.1
 HOT = Signals(running=8, tpot_s=0.2, throughput_tok_s=100.0, kv_usage=0.3)  # TPOT at 2x the SLO
@@ -148,3 +153,51 @@ def test_simulated_day_saves_worker_hours_at_equal_slo_attainment(capsys):
     assert actions == {"up", "down"} and {e["pool"] for e in auto.timeline} == {"attention", "experts"}
     assert cli(["autoscale-day", "--json", "-"]) == 0
     assert f'"worker_hours_saved": {round(rep.saved, 4)}' in capsys.readouterr().out
+
+
+class _Engine:
+    """What the autoscaling loop uses of an ``AsyncEngine``: stats, call (here: a resize that fails or
+    never answers), closing, failed."""
+
+    def __init__(self, resize: str):
+        self.resize, self.closing, self.failed, self.calls = resize, False, None, 0
+        self.snapshot = EngineStats(running=4, workers={"attention0": "up", "expert0": "up"})
+
+    def stats(self):
+        return self.snapshot
+
+    async def call(self, fn):
+        self.calls += 1
+        if self.resize == "hang":
+            await asyncio.get_running_loop().create_future()  # never answers
+        raise WorkerError("attention1 died while starting")
+
+
+@pytest.mark.parametrize("resize", ["fail", "hang"])
+def test_the_loop_survives_a_failed_resize_and_retries_after_the_cooldown(resize):
+    async def run():
+        eng = _Engine(resize)
+        metrics = ServingMetrics(eng.stats, lambda: 0)
+        now = [0.0]
+        pol = AutoscalePolicy(AutoscaleConfig.from_bounds((1, 2), (1, 1), slo_tpot_s=SLO, window_s=0, cooldown_s=30),
+                              1, 1)
+        scaler = Autoscaler(eng, metrics, pol, resize_timeout_s=0.05, clock=lambda: now[0])
+        metrics.between_tokens(0.5, 1)  # TPOT 5x the SLO
+        d = await scaler.step()
+        assert d.action == "up" and (pol.attention, pol.experts) == (1, 1)
+        get = metrics.registry.get_sample_value
+        assert get("afdserve_autoscale_resize_failures_total") == 1
+        assert get("afdserve_autoscale_pool_workers", {"pool": "attention"}) == 1
+        now[0] = 10.0
+        metrics.between_tokens(0.5, 1)
+        assert (await scaler.step()).reason == "cooldown"
+        now[0] = 31.0
+        metrics.between_tokens(0.5, 1)
+        assert (await scaler.step()).action == "up"  # retried after the cool-down
+        assert get("afdserve_autoscale_resize_failures_total") == 2
+        assert get("afdserve_autoscale_decisions_total", {"action": "up", "pool": "attention",
+                                                          "reason": "tpot_over_slo"}) == 2
+        scaler.start()  # the loop stops at once when told (here: while it waits for its next turn)
+        await asyncio.wait_for(scaler.stop(), 5)
+
+    asyncio.run(run())

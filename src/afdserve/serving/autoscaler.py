@@ -45,7 +45,6 @@ class Autoscaler:
         self.clock = clock
         self.timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_SAMPLES)
         self._t0 = clock()
-        self._last: tuple[float, dict[str, float]] | None = None
         self._task: asyncio.Task | None = None
         self._last_reason: str | None = None
         r = metrics.registry
@@ -59,6 +58,7 @@ class Autoscaler:
                                 registry=r)
         self.signal = Gauge("afdserve_autoscale_signal", "The autoscaler's last sample of each signal (seconds, "
                             "requests, fractions, tokens/s; NaN: none in the interval)", ["signal"], registry=r)
+        self._last = (self._t0, self._counters())
         self._show_sizes()
 
     # ---- lifecycle (on the event loop) ---------------------------------------------------
@@ -116,14 +116,18 @@ class Autoscaler:
             self._write(self.timeline[-1])
         return d
 
-    def sample(self, now: float) -> Signals:
-        s = self.engine.stats()
+    def _counters(self) -> dict[str, float]:
         get = self.metrics.registry.get_sample_value
-        cur = {k: get(f"afdserve_{k}") or 0.0 for k in ("time_between_tokens_seconds_sum",
-                                                         "time_between_tokens_seconds_count",
-                                                         "time_to_first_token_seconds_sum",
-                                                         "time_to_first_token_seconds_count")}
-        prev_t, prev = self._last if self._last is not None else (now, cur)
+        return {k: get(f"afdserve_{k}") or 0.0 for k in ("time_between_tokens_seconds_sum",
+                                                          "time_between_tokens_seconds_count",
+                                                          "time_to_first_token_seconds_sum",
+                                                          "time_to_first_token_seconds_count")}
+
+    def sample(self, now: float) -> Signals:
+        """The signals since the last sample (the first: since the autoscaler was made)."""
+        s = self.engine.stats()
+        cur = self._counters()
+        prev_t, prev = self._last
         self._last = (now, cur)
         d = {k: cur[k] - prev[k] for k in cur}
         n_tbt, n_first = d["time_between_tokens_seconds_count"], d["time_to_first_token_seconds_count"]
