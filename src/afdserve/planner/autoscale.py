@@ -178,8 +178,8 @@ class AutoscalePolicy:
         low_tpot = s.tpot_s is None or s.tpot_s < c.down_fraction * c.slo_tpot_s
         low_ttft = c.slo_ttft_s is None or s.ttft_s is None or s.ttft_s < c.down_fraction * c.slo_ttft_s
         if s.waiting == 0 and s.kv_usage < c.kv_down and low_tpot and low_ttft:
-            tpot = "no tokens" if s.tpot_s is None else f"TPOT {s.tpot_s * 1e3:.1f} ms"
-            return f"{tpot} < {c.down_fraction} x SLO, KV {s.kv_usage:.2f} < {c.kv_down}, nothing waiting"
+            tpot = "no tokens" if s.tpot_s is None else f"TPOT {s.tpot_s * 1e3:.1f} ms < {c.down_fraction} x SLO"
+            return f"{tpot}, KV {s.kv_usage:.2f} < {c.kv_down}, nothing waiting"
         return None
 
     def _act(self, action: Action, reason: str, detail: str, since: float, s: Signals, now: float) -> Decision:
