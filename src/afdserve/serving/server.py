@@ -253,6 +253,12 @@ def serve(cfg: EngineConfig, opts: ServerOptions) -> None:
     app = build_app(cfg, opts)
     progress(f"ready in {time.monotonic() - t0:.0f} s: serving model {model_name(cfg, opts)!r}, listening at "
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
+    a = opts.autoscale
+    if a is not None:
+        progress(f"autoscaling: attention {a.attention_sizes[0]}..{a.attention_sizes[-1]}, experts "
+                 f"{a.expert_sizes[0]}..{a.expert_sizes[-1]} workers, TPOT SLO {a.slo_tpot_s * 1e3:g} ms"
+                 + (f", TTFT SLO {a.slo_ttft_s * 1e3:g} ms" if a.slo_ttft_s else "")
+                 + f"; window {a.window_s:g} s, cool-down {a.cooldown_s:g} s")
     if admin_sock is not None:
         progress(f"admin endpoints at http://{ADMIN_HOST}:{admin_sock.getsockname()[1]}/admin")
     elif opts.admin_token:
