@@ -21,6 +21,7 @@ COMMANDS = {
     "expert-load": "afdserve.cli.expert_load",
     "rebalance": "afdserve.cli.rebalance",
     "scale": "afdserve.cli.scale",
+    "autoscale-day": "afdserve.cli.autoscale_day",
 }
 
 

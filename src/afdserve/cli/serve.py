@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from afdserve.cli.deployment import add_engine_args, engine_config
+
+if TYPE_CHECKING:
+    from afdserve.planner.autoscale import AutoscaleConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,9 +58,55 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how the model writes tool calls: 'hermes' (<tool_call>{\"name\": ..., \"arguments\": "
                         "...}</tool_call>, Hermes 2 Pro, Qwen 2.5 and later)")
+    a = p.add_argument_group("autoscaling (the attention and expert pools resized by a policy while serving)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="resize the pools from the live signals (queue, KV usage, TPOT/TTFT against the SLO, busy "
+                        "fractions) within --autoscale-attention / --autoscale-experts; every decision is logged "
+                        "and counted in /metrics (afdserve_autoscale_*)")
+    a.add_argument("--autoscale-attention", default=None, metavar="MIN:MAX",
+                   help="bounds of the attention pool (default: its starting size, fixed)")
+    a.add_argument("--autoscale-experts", default=None, metavar="MIN:MAX",
+                   help="bounds of the expert pool (default: its starting size, fixed)")
+    a.add_argument("--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO")
+    a.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token SLO (default: none)")
+    a.add_argument("--autoscale-window", type=float, default=10.0, metavar="SECONDS",
+                   help="a pressure (up or down) must hold this long before the pools change")
+    a.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
+                   help="no resize sooner than this after the last one (applied or failed)")
+    a.add_argument("--autoscale-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="sample the signals this often")
+    a.add_argument("--autoscale-timeline", default=None, metavar="PATH",
+                   help="append every sample (signals, decision, pool sizes) to this file as JSON lines")
     add_engine_args(p)
     p.set_defaults(expert_workers=1, micro_batches=2)
     return p
+
+
+def autoscale_config(args: argparse.Namespace) -> "AutoscaleConfig | None":
+    """The policy's configuration from the flags (None without --autoscale); ConfigError on bad bounds."""
+    from afdserve.errors import ConfigError
+    from afdserve.planner.autoscale import AutoscaleConfig, parse_bounds
+
+    bounds = {"attention": args.autoscale_attention, "experts": args.autoscale_experts}
+    if not args.autoscale:
+        if any(bounds.values()):
+            raise ConfigError("--autoscale-attention / --autoscale-experts need --autoscale")
+        return None
+    if not any(bounds.values()):
+        raise ConfigError("--autoscale needs --autoscale-attention MIN:MAX and/or --autoscale-experts MIN:MAX")
+    if args.expert_workers < 1:
+        raise ConfigError("--autoscale needs a disaggregated deployment (--expert-workers >= 1): the colocated "
+                          "engine has no pools to resize")
+    start = {"attention": args.attention_workers, "experts": args.expert_workers}
+    lo_hi = {pool: parse_bounds(text, f"--autoscale-{pool}") if text else (start[pool], start[pool])
+             for pool, text in bounds.items()}
+    for pool, (lo, hi) in lo_hi.items():
+        if not lo <= start[pool] <= hi:
+            raise ConfigError(f"the {pool} pool starts at {start[pool]} workers, outside --autoscale-{pool} "
+                              f"{lo}:{hi}")
+    return AutoscaleConfig.from_bounds(lo_hi["attention"], lo_hi["experts"], slo_tpot_s=args.slo_tpot_ms / 1e3,
+                                       slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
+                                       window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -79,5 +129,7 @@ def main(args: argparse.Namespace) -> int:
                                              admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
                                              admin_port=args.admin_port, max_body_bytes=args.max_body_bytes,
                                              shutdown_grace_s=args.shutdown_grace, job_ttl_s=args.job_ttl,
-                                             max_jobs=args.max_jobs))
+                                             max_jobs=args.max_jobs, autoscale=autoscale_config(args),
+                                             autoscale_interval_s=args.autoscale_interval,
+                                             autoscale_timeline=args.autoscale_timeline))
     return 0

@@ -100,9 +100,14 @@ def create_app(engine: AsyncEngine, model_name: str, chat_template: ChatTemplate
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        scaler = getattr(app.state, "autoscaler", None)  # serving.autoscaler.Autoscaler (serve --autoscale)
+        if scaler is not None:
+            scaler.start()
         try:
             yield
         finally:
+            if scaler is not None:
+                await scaler.stop()
             await engine.close()
 
     app = FastAPI(title="afdserve", version=version("afdserve"),

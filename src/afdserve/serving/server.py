@@ -25,13 +25,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from afdserve.cluster import build_client, resolve_deployment
-from afdserve.config import EngineConfig
+from afdserve.config import MAX_POOL_WORKERS, EngineConfig
 from afdserve.errors import AfdServeError, ConfigError
 from afdserve.model.config import ModelConfig
 from afdserve.model.demo import demo_model_cached, demo_model_dir
+from afdserve.planner.autoscale import AutoscaleConfig, AutoscalePolicy
 from afdserve.serving.admin import create_admin_app
 from afdserve.serving.app import HEALTH_TIMEOUT_S, create_app
 from afdserve.serving.async_engine import AsyncEngine
+from afdserve.serving.autoscaler import Autoscaler
 from afdserve.serving.chat import ChatTemplate
 from afdserve.serving.edge import DEFAULT_MAX_BODY_BYTES
 from afdserve.serving.jobs import JobOptions
@@ -59,6 +61,9 @@ class ServerOptions:
     health_timeout_s: float = HEALTH_TIMEOUT_S  # /health fails when the engine loop is stuck this long
     job_ttl_s: float = JobOptions.ttl_s  # a finished job's result is kept this long (POST /v1/jobs)
     max_jobs: int = JobOptions.max_jobs  # jobs kept at once; more get 429
+    autoscale: AutoscaleConfig | None = None  # resize the pools by this policy (serving.autoscaler)
+    autoscale_interval_s: float = 1.0  # sample the signals this often
+    autoscale_timeline: str | None = None  # append every sample and decision here (JSON lines)
 
     @property
     def jobs(self) -> JobOptions:
@@ -82,6 +87,8 @@ def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastA
                           "re-place")
     opts.tools.check()
     template = _read_template(opts.chat_template)
+    experts = _num_experts(cfg)
+    policy = _autoscale_policy(cfg, opts, experts)
     engine = build_client(cfg)
     capacity = cfg.max_num_seqs * cfg.attention_workers + opts.max_waiting_requests
     chat = None
@@ -89,14 +96,39 @@ def build_app(cfg: EngineConfig, opts: ServerOptions = ServerOptions()) -> FastA
         tok = engine.tokenizer
         chat = ChatTemplate(template, tok.bos_token if tok else None, tok.eos_token if tok else None)
     async_engine = AsyncEngine(engine, max_in_flight=capacity, rebalance_interval_s=opts.rebalance_interval_s)
-    experts = _num_experts(cfg)
     separate = opts.admin_port is not None  # the admin endpoints on their own listener, not on the public app
     app = create_app(async_engine, model_name(cfg, opts), chat, opts.tools, num_experts=experts,
                      admin_token=None if separate else opts.admin_token, max_body_bytes=opts.max_body_bytes,
                      health_timeout_s=opts.health_timeout_s, jobs=opts.jobs)
     app.state.admin_app = create_admin_app(async_engine, experts, opts.admin_token,
                                            opts.max_body_bytes) if separate else None
+    app.state.autoscaler = None
+    if policy is not None:
+        if not getattr(engine, "can_replace", False):
+            engine.shutdown()
+            raise ConfigError("--autoscale: this deployment cannot start workers while it serves (its launcher "
+                              "cannot replace them)")
+        app.state.autoscaler = Autoscaler(async_engine, app.state.metrics, policy,
+                                          interval_s=opts.autoscale_interval_s,
+                                          timeline_path=opts.autoscale_timeline)
     return app
+
+
+def _autoscale_policy(cfg: EngineConfig, opts: ServerOptions, num_experts: int | None) -> AutoscalePolicy | None:
+    """The autoscaling policy at the deployment's starting sizes (ConfigError when they are outside its
+    bounds, the bounds outside what the model allows, or the deployment colocated)."""
+    a = opts.autoscale
+    if a is None:
+        return None
+    if cfg.expert_workers == 0:
+        raise ConfigError("--autoscale needs a disaggregated deployment (expert_workers >= 1): the colocated "
+                          "engine has no pools to resize")
+    if a.attention_sizes[-1] > MAX_POOL_WORKERS or (num_experts is not None and a.expert_sizes[-1] > num_experts):
+        raise ConfigError(f"invalid autoscaling bounds: at most {MAX_POOL_WORKERS} attention workers and "
+                          f"{num_experts} expert workers (the model's experts)")
+    if not opts.autoscale_interval_s > 0:
+        raise ConfigError(f"invalid autoscale_interval_s={opts.autoscale_interval_s}: must be > 0")
+    return AutoscalePolicy(a, cfg.attention_workers, cfg.expert_workers)
 
 
 def check_options(opts: ServerOptions) -> None:
@@ -221,6 +253,12 @@ def serve(cfg: EngineConfig, opts: ServerOptions) -> None:
     app = build_app(cfg, opts)
     progress(f"ready in {time.monotonic() - t0:.0f} s: serving model {model_name(cfg, opts)!r}, listening at "
              f"http://{opts.host}:{sock.getsockname()[1]}/v1")
+    a = opts.autoscale
+    if a is not None:
+        progress(f"autoscaling: attention {a.attention_sizes[0]}..{a.attention_sizes[-1]}, experts "
+                 f"{a.expert_sizes[0]}..{a.expert_sizes[-1]} workers, TPOT SLO {a.slo_tpot_s * 1e3:g} ms"
+                 + (f", TTFT SLO {a.slo_ttft_s * 1e3:g} ms" if a.slo_ttft_s else "")
+                 + f"; window {a.window_s:g} s, cool-down {a.cooldown_s:g} s")
     if admin_sock is not None:
         progress(f"admin endpoints at http://{ADMIN_HOST}:{admin_sock.getsockname()[1]}/admin")
     elif opts.admin_token:
