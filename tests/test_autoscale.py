@@ -14,6 +14,7 @@ from afdserve import LLM, SamplingParams
 from afdserve.bench.soak import scrape
 from afdserve.config import EngineConfig
 from afdserve.errors import ConfigError
+from afdserve.planner import AttentionCost, ExpertCost, Profile, save_profile
 from afdserve.planner.autoscale import AutoscaleConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
@@ -37,7 +38,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_bad_autoscaling_options_are_refused_before_workers_start(tiny_mixtral):
+def test_bad_autoscaling_options_are_refused_before_workers_start(tiny_mixtral, tmp_path):
     with pytest.raises(ConfigError, match="outside its autoscaling sizes"):
         build_app(EngineConfig(model=str(tiny_mixtral), **{**DEPLOYMENT, "attention_workers": 3}),
                   ServerOptions(autoscale=POLICY))
@@ -47,6 +48,14 @@ def test_bad_autoscaling_options_are_refused_before_workers_start(tiny_mixtral):
     with pytest.raises(ConfigError, match="expert workers"):
         build_app(EngineConfig(model=str(tiny_mixtral), **DEPLOYMENT),
                   ServerOptions(autoscale=AutoscaleConfig.from_bounds((1, 2), (1, 99), slo_tpot_s=0.1)))
+    # the planner's local model needs a measured profile: one without runtime costs is refused
+    profile = tmp_path / "roofline.json"
+    save_profile(Profile(model="tiny", attention=(AttentionCost(1e-6, 0.0, 1e-4),),
+                         expert=(ExpertCost(1e-6, 1e-4, experts_per_node=1),)), profile)
+    for path, why in ((profile, "runtime costs"), (tmp_path / "missing.json", "cannot read profile")):
+        with pytest.raises(ConfigError, match=why):
+            build_app(EngineConfig(model=str(tiny_mixtral), **DEPLOYMENT),
+                      ServerOptions(autoscale=POLICY, autoscale_profile=str(path)))
 
 
 def test_step_load_grows_a_pool_and_shrinks_it_back(tiny_mixtral, tmp_path):

@@ -48,6 +48,7 @@ def test_serve_flags():
     assert (c.attention_sizes, c.expert_sizes, c.slo_tpot_s, c.window_s) == ((1, 2, 3), (1,), 0.05, 5.0)
     for argv, why in ((["--autoscale"], "needs --autoscale-attention"),
                       (["--autoscale-experts", "1:2"], "need --autoscale"),
+                      (["--autoscale-profile", "p.json"], "need --autoscale"),
                       (["--autoscale", "--autoscale-attention", "2:3"], "starts at 1 workers, outside"),
                       (["--autoscale", "--autoscale-attention", "1:x"], "expected MIN:MAX"),
                       (["--autoscale", "--autoscale-attention", "1:2", "--expert-workers", "0"], "disaggregated")):

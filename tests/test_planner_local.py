@@ -204,3 +204,40 @@ def test_lm_head_interpolation_and_roundtrip(tmp_path) -> None:  # type: ignore[
     save_profile(prof, tmp_path / "p.json")
     back = load_profile(tmp_path / "p.json")
     assert back.runtime == rt
+
+
+def test_local_pool_model_for_the_autoscaler() -> None:
+    from afdserve.planner.pool_model import LocalPoolModel
+
+    prof = _profile(runtime=RuntimeCosts(cores=8, send_s=1e-5, take_s=2e-5), step_fixed_s=1e-3)
+    with pytest.raises(ValueError, match="runtime"):
+        LocalPoolModel(_profile(), DEMO, 2, 64, 200, 0.05)
+    pm = LocalPoolModel(prof, DEMO, 2, 64, 200, 0.05)
+    # the TPOT at a demand is the step time at the least batch that produces it
+    rate = 2 * 16 / pm.step(2, 1, 16)
+    t = pm.tpot(2, 1, rate)
+    assert t == pytest.approx(pm.step(2, 1, 16)) and pm.tpot(2, 1, rate * 0.5) < t
+    assert pm.tpot(2, 1, 1e12) == math.inf
+    # the capacity is the largest rate whose step meets the SLO; more attention workers serve more
+    cap = pm.capacity(1, 1)
+    assert 0 < cap and pm.tpot(1, 1, cap) <= 0.05 and pm.capacity(2, 1) > cap
+    assert LocalPoolModel(prof, DEMO, 2, 64, 200, 1e-6).capacity(1, 1) == 0.0
+
+
+def test_colocated_prediction_and_measured_expert_points() -> None:
+    from afdserve.planner.costs import interp_extend
+
+    pts = ((16.0, 2e-3), (64.0, 4e-3), (256.0, 10e-3))
+    assert interp_extend(pts, 40) == pytest.approx(3e-3) and interp_extend(pts, 512) == pytest.approx(18e-3)
+    assert interp_extend(pts, 0) == pytest.approx(2e-3 - 16 * 2e-3 / 48) and interp_extend(pts, -1e6) == 0.0
+    rt = RuntimeCosts(cores=2, lm_head_s=1e-3, colocated_k1_tok=1e-5, colocated_k2=2e-4)
+    samples = {"expert": [[8.0, 16.0, 2e-3], [8.0, 64.0, 4e-3], [8.0, 256.0, 10e-3], [4.0, 16.0, 1e-3]]}
+    prof = _profile(runtime=rt, step_fixed_s=1e-3, samples=samples)
+    b = 20  # 40 pairs: between the measured 16 and 64 of the worker holding all 8 experts
+    p = predict_local(prof, 1, 0, 1, b, 100, DEMO)
+    ta, te = 1e-5 * b + 2e-4, 3e-3
+    assert p.method == "colocated" and (p.ta_s, p.te_s) == (pytest.approx(ta), pytest.approx(te))
+    assert p.iteration_s == pytest.approx(DEMO.num_layers * (ta + te) + 1e-3 + 1e-3)
+    # the expert worker's layer in the simulated runtime follows the same measured points
+    m1 = simulate_runtime(_sim(te_points=((8.0, 1e-3), (16.0, 3e-3))))
+    assert m1.step_s == pytest.approx(4 * (1e-3 + 3e-3) + 5e-3)

@@ -76,6 +76,9 @@ def test_profile_of_tiny_model(tiny: Path, tmp_path: Path) -> None:
     assert rt is not None and rt.cores == CORES and rt.send_s + rt.send_per_byte_s > 0 and rt.take_s > 0
     assert len(s["attention_workers"]) == 2 * 2 + 2 and len(s["expert"]) == 4 and len(s["step"]) == 2
     assert len(s["lm_head"]) == 2 and len(rt.lm_head_points) == 2 and rt.lm_head_time(4) > 0
+    b, sl, t = (list(c) for c in zip(*s["colocated_attention"]))  # the colocated layer outside its experts
+    assert len(t) == 4 and _solves_nnls([b, [x * y for x, y in zip(b, sl)], [1.0] * 4], t,
+                                        [rt.colocated_k1_tok, rt.colocated_k1_ctx, rt.colocated_k2])
     b, t = (list(c) for c in zip(*s["begin"]))  # the part before the first layer: within the overhead
     assert len(b) == 2 and _solves_nnls([[1.0] * 2, b], t, [rt.begin_s, rt.begin_per_token_s])
     assert all(0 < x < o for (_, x), (_, o) in zip(s["begin"], s["step"]))

@@ -75,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="no resize sooner than this after the last one (applied or failed)")
     a.add_argument("--autoscale-interval", type=float, default=1.0, metavar="SECONDS",
                    help="sample the signals this often")
+    a.add_argument("--autoscale-profile", default=None, metavar="PROFILE",
+                   help="a profile of this machine (afdserve profile): the planner's local model then predicts "
+                        "which pool to grow and whether a smaller deployment still meets the SLO (default: the "
+                        "measured busy fractions choose)")
     a.add_argument("--autoscale-timeline", default=None, metavar="PATH",
                    help="append every sample (signals, decision, pool sizes) to this file as JSON lines")
     add_engine_args(p)
@@ -89,8 +93,8 @@ def autoscale_config(args: argparse.Namespace) -> "AutoscaleConfig | None":
 
     bounds = {"attention": args.autoscale_attention, "experts": args.autoscale_experts}
     if not args.autoscale:
-        if any(bounds.values()):
-            raise ConfigError("--autoscale-attention / --autoscale-experts need --autoscale")
+        if any(bounds.values()) or args.autoscale_profile:
+            raise ConfigError("--autoscale-attention / --autoscale-experts / --autoscale-profile need --autoscale")
         return None
     if not any(bounds.values()):
         raise ConfigError("--autoscale needs --autoscale-attention MIN:MAX and/or --autoscale-experts MIN:MAX")
@@ -131,5 +135,6 @@ def main(args: argparse.Namespace) -> int:
                                              shutdown_grace_s=args.shutdown_grace, job_ttl_s=args.job_ttl,
                                              max_jobs=args.max_jobs, autoscale=autoscale_config(args),
                                              autoscale_interval_s=args.autoscale_interval,
-                                             autoscale_timeline=args.autoscale_timeline))
+                                             autoscale_timeline=args.autoscale_timeline,
+                                             autoscale_profile=args.autoscale_profile))
     return 0

@@ -164,7 +164,9 @@ class RuntimeCosts:
       (``Engine.begin``: scheduling, inputs), which delays the experts' first layer;
     * ``lend_expert_points`` / ``lend_lm_head_points``: measured ``(pairs or b, speed-up)`` of the
       fused MoE / the LM head on every core over one thread: what they gain from the cores that
-      waiting workers lend (the cpu backend's ``lend_idle_cores``); interpolated, 1 where empty.
+      waiting workers lend (the cpu backend's ``lend_idle_cores``); interpolated, 1 where empty;
+    * ``colocated_k1_tok``, ``colocated_k1_ctx``, ``colocated_k2``: a decode layer of the colocated
+      engine outside its experts (``pre_moe`` + ``post_moe``, no dispatch), as ``AttentionCost``.
     """
 
     cores: int = 0
@@ -184,6 +186,12 @@ class RuntimeCosts:
     begin_per_token_s: float = 0.0
     lend_expert_points: tuple[tuple[float, float], ...] = ()
     lend_lm_head_points: tuple[tuple[float, float], ...] = ()
+    colocated_k1_tok: float = 0.0
+    colocated_k1_ctx: float = 0.0
+    colocated_k2: float = 0.0
+
+    def colocated_attention_time(self, b: float, seq_len: float) -> float:
+        return (self.colocated_k1_tok + self.colocated_k1_ctx * seq_len) * b + self.colocated_k2
 
     def begin_time(self, b: float) -> float:
         return self.begin_s + self.begin_per_token_s * b
@@ -211,3 +219,14 @@ def _interp(points: tuple[tuple[float, float], ...], x: float) -> float:
     if not points:
         return 1.0
     return float(np.interp(x, [p[0] for p in points], [p[1] for p in points]))
+
+
+def interp_extend(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear through the measured ``points`` (x ascending, at least two), extended beyond
+    them along the first / last segment (never below 0)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if xs[0] <= x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    i = 0 if x < xs[0] else len(xs) - 2
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(0.0, ys[i] + slope * (x - xs[i]))

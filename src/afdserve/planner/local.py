@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from afdserve.config import micro_batch_sizes
 from afdserve.planner import perf_model as pm
-from afdserve.planner.costs import AttentionCost, ExpertCost
+from afdserve.planner.costs import AttentionCost, ExpertCost, interp_extend
 from afdserve.planner.profile import Profile
 from afdserve.planner.runtime_sim import RuntimeSim, pinned_round_robin, simulate_runtime
 from afdserve.planner.simulator import SimConfig, simulate
@@ -83,6 +83,13 @@ def _expert(profile: Profile, gpu: str, experts_per_worker: int) -> tuple[Expert
     return replace(
         near, k4=near.k4 * experts_per_worker / near.experts_per_node, experts_per_node=experts_per_worker
     ), True
+
+
+def _expert_points(profile: Profile, experts_per_worker: int) -> tuple[tuple[float, float], ...]:
+    """The profile's measured ``(pairs, seconds)`` of a worker holding ``experts_per_worker`` experts
+    (``samples["expert"]`` of ``afdserve profile``), or () when it has fewer than two."""
+    rows = [(r[1], r[2]) for r in (profile.samples or {}).get("expert", ()) if int(r[0]) == experts_per_worker]
+    return tuple(sorted(rows)) if len(rows) >= 2 else ()
 
 
 def predict_local(
@@ -141,7 +148,7 @@ def predict_local(
             te_per_pair=exp.k3, te_fixed=exp.k4, pairs=tuple(pairs), tokens=tuple(toks), fwd_bytes=tuple(fwd),
             back_bytes=tuple(back), step_overhead=lane_steps, costs=rt,
             affinity=pinned_round_robin(n_a, n_e, rt.cores) if pinned else None,
-            begin=tuple(rt.begin_time(x) for x in sizes)))
+            begin=tuple(rt.begin_time(x) for x in sizes), te_points=_expert_points(profile, epw)))
         te = [exp.time(p * n_a) for p in pairs]
         return LocalPrediction(
             iteration_s=sim.step_s,
@@ -190,15 +197,20 @@ def predict_local(
 def predict_colocated(profile: Profile, batch: int, seq_len: float, model_spec: ModelSpec, *,
                       gpu: str = "") -> LocalPrediction:
     """The colocated engine (``expert_workers=0``: attention and every expert in one process, one
-    thread): per step its overhead, ``L`` layers of attention (``Ta``) and all the experts over the
-    batch's ``b * K`` pairs (``Te`` of a worker holding all ``E``), and the LM head."""
+    thread): per step its overhead, ``L`` layers of attention (``Ta``: the profile's colocated layer
+    outside its experts where measured) and all the experts over the batch's ``b * K`` pairs (``Te``
+    of a worker holding all ``E``, interpolated between the measured points where the profile has
+    them), and the LM head."""
     if batch < 1:
         raise ValueError("batch must be >= 1")
-    spec = model_spec
-    ta = _attention(profile, gpu).time(batch, seq_len)
+    spec, rt = model_spec, profile.runtime
+    # the layer outside its experts: measured without the dispatch where the profile has it
+    ta = rt.colocated_attention_time(batch, seq_len) if rt is not None and rt.colocated_attention_time(1, 1) > 0 else \
+        _attention(profile, gpu).time(batch, seq_len)
     exp, scaled = _expert(profile, gpu, spec.num_experts)
-    te = exp.time(batch * spec.top_k)
-    lm_head = profile.runtime.lm_head_time(batch) if profile.runtime is not None else 0.0
+    points = _expert_points(profile, spec.num_experts)
+    te = interp_extend(points, batch * spec.top_k) if points else exp.time(batch * spec.top_k)
+    lm_head = rt.lm_head_time(batch) if rt is not None else 0.0
     layers = spec.num_layers * (ta + te)
     step = profile.step_fixed_s + profile.step_per_token_s * batch
     return LocalPrediction(iteration_s=layers + lm_head + step, pipeline_s=layers, ta_s=ta, te_s=te, tc_a2e_s=0.0,

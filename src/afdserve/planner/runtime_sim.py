@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from afdserve.planner.costs import RuntimeCosts
+from afdserve.planner.costs import RuntimeCosts, interp_extend
 from afdserve.planner.events import EventQueue
 
 __all__ = ["RuntimeSim", "RuntimeSimResult", "simulate_runtime", "pinned_round_robin"]
@@ -85,6 +85,8 @@ class RuntimeSim:
     stagger: float | None = None
     # the part of step_overhead before the lane's first layer (Engine.begin), per micro-batch; () none
     begin: tuple[float, ...] = ()
+    # measured (pairs, seconds) of an expert worker's layer: interpolated instead of te_fixed + te_per_pair
+    te_points: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
                 groups.setdefault(mm.layer, []).append(mm)
             for group in groups.values():
                 pairs = sum(mm.pairs for mm in group)
-                yield ("cpu", cfg.te_fixed + cfg.te_per_pair * pairs, c.lend_expert_speedup(pairs))
+                te = interp_extend(cfg.te_points, pairs) if cfg.te_points else cfg.te_fixed + cfg.te_per_pair * pairs
+                yield ("cpu", te, c.lend_expert_speedup(pairs))
                 for mm in group:
                     reply = _Msg(me, mm.layer, mm.mb, mm.pairs, mm.tokens)
                     yield ("send", (me, mm.src), reply, cfg.back_bytes[mm.mb])

@@ -14,7 +14,7 @@ from afdserve.profiling.parts import Checkpoint, attention_runner, decode_layout
 from afdserve.profiling.timers import median_time
 from afdserve.runtime import ExpertMap, LayerKey, Tracer
 
-__all__ = ["measure_attention"]
+__all__ = ["measure_attention", "measure_colocated_attention"]
 
 
 @torch.inference_mode()
@@ -66,4 +66,46 @@ def measure_attention(
         t = median_time(call, repeats, flush)
         out.append([float(b), float(s), float(n_e), t])
         log(f"  attention b={b:<4} s={s:<5} n_e={n_e:<2} {t * 1e6:9.1f} us")
+    return out
+
+
+@torch.inference_mode()
+def measure_colocated_attention(
+    model_path: Path,
+    points: Sequence[tuple[int, int]],
+    repeats: int,
+    flush: Callable[[], None],
+    dtype: str = "float32",
+    block_size: int = 16,
+    log: Callable[[str], None] = lambda s: None,
+) -> list[list[float]]:
+    """``[b, s, seconds]`` for each ``(b, s)`` of ``points``: one decode layer of the colocated engine
+    (``ModelRunner.forward``) outside its experts -- ``pre_moe`` and ``post_moe`` over the experts'
+    output, no dispatch.  Median over ``repeats`` calls cycling through the layers."""
+    ckpt = Checkpoint(model_path, dtype)
+    cfg, dt = ckpt.cfg, ckpt.dtype
+    model = ckpt.attention_model()
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for b, s in points:
+        s = max(2, min(int(s), cfg.max_position_embeddings - 1))
+        layout, blocks = decode_layout(b, s, block_size)
+        kv = kv_cache(cfg, blocks, block_size, dt)
+        for t in kv.tensors():
+            t.normal_(0, 1, generator=gen)
+        x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
+        routed = torch.zeros_like(x)
+        ctx = step_context(model, layout)
+        n = [0]
+
+        def call() -> None:
+            lyr = n[0] % cfg.num_layers
+            n[0] += 1
+            h, y, _, _ = model.pre_moe(lyr, x, ctx, kv)
+            model.post_moe(lyr, h, y, routed)
+
+        call()
+        t = median_time(call, repeats, flush)
+        out.append([float(b), float(s), t])
+        log(f"  colocated attention b={b:<4} s={s:<5} {t * 1e6:9.1f} us")
     return out

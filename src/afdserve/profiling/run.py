@@ -54,7 +54,7 @@ from afdserve.planner import (
 from afdserve.profiling.cache_flusher import CacheFlusher
 from afdserve.profiling.corun import measure_corun
 from afdserve.profiling.grid import DEFAULT_GRID, ProfileGrid, attention_points
-from afdserve.profiling.harness_attention import measure_attention
+from afdserve.profiling.harness_attention import measure_attention, measure_colocated_attention
 from afdserve.profiling.harness_expert import measure_expert
 from afdserve.profiling.harness_lend import measure_lend
 from afdserve.profiling.harness_step import measure_step
@@ -108,6 +108,11 @@ def run_profile(
     att = least([measure_attention(path, points, grid.repeats, flush, dtype, log=quiet) for _ in range(passes)], 3)
     for b, s, n_e, t in att:
         log(f"  b={int(b):<4} s={int(s):<5} n_e={int(n_e):<2} {t * 1e6:9.1f} us")
+    colo_points = sorted({(b, s) for b, s, _ in points})
+    colo = least([measure_colocated_attention(path, colo_points, grid.repeats, flush, dtype, log=quiet)
+                  for _ in range(passes)], 2)
+    for b, s, t in colo:
+        log(f"  colocated b={int(b):<4} s={int(s):<5} {t * 1e6:9.1f} us")
     log("expert worker, per layer:")
     E = cfg.num_experts
     epns = tuple(e for e in (grid.experts_per_node or range(1, E + 1)) if 1 <= e <= E and E % e == 0)
@@ -152,7 +157,9 @@ def run_profile(
         runtime = replace(runtime, lm_head_s=h0, lm_head_per_token_s=h1,
                           lm_head_points=tuple(sorted((r[0], r[1]) for r in lm_head)))
     (b0, b1), _ = fit_affine([[1.0] * len(begins), [r[0] for r in begins]], [r[1] for r in begins], relative=True)
-    runtime = replace(runtime, corun_attention=corun_a, corun_expert=corun_e, begin_s=b0, begin_per_token_s=b1)
+    colo_fit = fit_attention(colo, relative=True)
+    runtime = replace(runtime, corun_attention=corun_a, corun_expert=corun_e, begin_s=b0, begin_per_token_s=b1,
+                      colocated_k1_tok=colo_fit.k1_tok, colocated_k1_ctx=colo_fit.k1_ctx, colocated_k2=colo_fit.k2)
     if grid.lend and cpu_cores() > 1:
         log(f"lent cores: speed-ups on {cpu_cores()} threads over one:")
         head_x, moe_x = measure_lend(path, grid.step_batches, grid.pairs_per_expert, cpu_cores(), grid.repeats, flush,
@@ -169,6 +176,7 @@ def run_profile(
     samples["step"] = step
     samples["lm_head"] = lm_head
     samples["begin"] = begins
+    samples["colocated_attention"] = colo
     samples.update(samples_lend)
     took = time.perf_counter() - t_start
     notes = (f"afdserve profile: {len(att)} attention, {sum(len(v) for v in exp.values())} expert, "

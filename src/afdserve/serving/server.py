@@ -29,7 +29,10 @@ from afdserve.config import MAX_POOL_WORKERS, EngineConfig
 from afdserve.errors import AfdServeError, ConfigError
 from afdserve.model.config import ModelConfig
 from afdserve.model.demo import demo_model_cached, demo_model_dir
+from afdserve.planner import load_model_spec, load_profile
 from afdserve.planner.autoscale import AutoscaleConfig, AutoscalePolicy
+from afdserve.planner.pool_model import LocalPoolModel
+from afdserve.planner.search_config import DEFAULT_SEQ_LEN
 from afdserve.serving.admin import create_admin_app
 from afdserve.serving.app import HEALTH_TIMEOUT_S, create_app
 from afdserve.serving.async_engine import AsyncEngine
@@ -64,6 +67,7 @@ class ServerOptions:
     autoscale: AutoscaleConfig | None = None  # resize the pools by this policy (serving.autoscaler)
     autoscale_interval_s: float = 1.0  # sample the signals this often
     autoscale_timeline: str | None = None  # append every sample and decision here (JSON lines)
+    autoscale_profile: str | None = None  # a profile of this machine: the policy predicts with the local model
 
     @property
     def jobs(self) -> JobOptions:
@@ -128,7 +132,16 @@ def _autoscale_policy(cfg: EngineConfig, opts: ServerOptions, num_experts: int |
                           f"{num_experts} expert workers (the model's experts)")
     if not opts.autoscale_interval_s > 0:
         raise ConfigError(f"invalid autoscale_interval_s={opts.autoscale_interval_s}: must be > 0")
-    return AutoscalePolicy(a, cfg.attention_workers, cfg.expert_workers)
+    model = None
+    if opts.autoscale_profile is not None:
+        try:
+            spec = load_model_spec(cfg.model or str(demo_model_dir()))
+            max_len = cfg.max_model_len or spec.max_position_embeddings
+            model = LocalPoolModel(load_profile(opts.autoscale_profile), spec, cfg.micro_batches, cfg.max_num_seqs,
+                                   min(DEFAULT_SEQ_LEN, max_len), a.slo_tpot_s)
+        except ValueError as e:
+            raise ConfigError(f"--autoscale-profile {opts.autoscale_profile}: {e}") from e
+    return AutoscalePolicy(a, cfg.attention_workers, cfg.expert_workers, model=model)
 
 
 def check_options(opts: ServerOptions) -> None:
