@@ -160,6 +160,17 @@ def test_logprobs_within_a_bound_of_the_float32_kv_run(ckpts, model, backend):
     assert same >= share * len(delta)
 
 
+def test_the_quality_report(ckpts):
+    from afdserve.bench.kv_quality import kv_quality, report
+
+    rows = {(r.reference, r.candidate): r for r in kv_quality(str(ckpts["qwen3_moe"]), 3, "torch",
+                                                              ("a held-out sentence", "and another one here"))}
+    fp8, bf16 = rows["float32", "fp8"], rows["float32", "bfloat16"]
+    assert fp8.positions == bf16.positions == 6
+    assert 0 < fp8.mean_kl <= fp8.max_kl < 0.05 and fp8.greedy_agreement >= 0.5
+    assert 0 < bf16.mean_kl < 0.05 and "greedy agreement" in report(list(rows.values()))
+
+
 # -- the prefix cache's tiers and salt --
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
