@@ -160,6 +160,18 @@ def test_logprobs_within_a_bound_of_the_float32_kv_run(ckpts, model, backend):
     assert same >= share * len(delta)
 
 
+def test_attention_workers_get_the_kv_dtype(ckpts):
+    """A disaggregated deployment's attention worker builds the same FP8 cache: the same tokens."""
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(50, 60))}]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for kv, workers in (("fp8", 0), ("fp8", 1), ("auto", 1)):
+        with LLM(str(ckpts["mixtral"]), dtype="float32", kv_cache_dtype=kv, backend="torch", block_size=4,
+                 num_kv_blocks=200, expert_workers=workers) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] != outs[2]  # (this checkpoint's near-ties tell the two caches apart)
+
+
 def test_the_quality_report(ckpts):
     from afdserve.bench.kv_quality import kv_quality, report
 
