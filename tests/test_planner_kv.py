@@ -9,7 +9,7 @@ import torch
 
 from afdserve.cli.plan import main as plan_main
 from afdserve.config import EngineConfig
-from afdserve.engine.builder import kv_blocks
+from afdserve.engine.builder import kv_blocks, kv_storage_dtype
 from afdserve.errors import ConfigError
 from afdserve.kvcache import KVCache
 from afdserve.model.config import ModelConfig
@@ -27,27 +27,32 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "windowed", "deepseek"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3"])
 def test_the_report_is_the_engines_allocation(models, name, dtype):
     path = models[name]
     cfg = ModelConfig.from_pretrained(path)
-    eng = EngineConfig(model=str(path), dtype=dtype, kv_cache_gb=0.002, max_num_batched_tokens=64)
+    fp8 = dtype == "fp8_e4m3"
+    kw = dict(model=str(path), dtype="bfloat16" if fp8 else dtype, kv_cache_dtype="fp8" if fp8 else "auto",
+              max_num_batched_tokens=64)
+    eng = EngineConfig(kv_cache_gb=0.002, **kw)
     cap = kv_capacity(cfg, dtype, eng.block_size, eng.kv_cache_gb, None, eng.max_num_batched_tokens)
     n = kv_blocks(eng, cfg, 32)  # what the engine allocates
     assert cap.num_blocks == n and cap.tokens_per_worker == n * eng.block_size
-    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n, eng.block_size, getattr(torch, dtype),
+    kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n, eng.block_size, kv_storage_dtype(eng),
                  cfg.kv_latent_dim)
-    allocated = sum(t.numel() * t.element_size() for t in kv.tensors())
-    assert allocated == n * cap.bytes_per_block
+    assert kv.allocated_bytes() == n * cap.bytes_per_block  # fp8: the scales included
     assert cap.bytes_per_token == kv.bytes_per_token_per_layer() * cfg.num_layers
+    if fp8:  # half of bfloat16's bytes, plus a float32 scale per block and head (per block for the latent)
+        bf16 = kv_capacity(cfg, "bfloat16", eng.block_size, eng.kv_cache_gb)
+        heads = 1 if cfg.kv_latent_dim else 2 * cfg.num_kv_heads
+        assert cap.scale_bytes_per_token == cfg.num_layers * heads * 4 / eng.block_size
+        assert cap.bytes_per_token == bf16.bytes_per_token / 2 + cap.scale_bytes_per_token
     # the blocks one sequence holds: the engine starts with exactly that many, refuses one fewer
     longest = cfg.max_position_embeddings
     need = cap.blocks_for(longest)
-    assert kv_blocks(EngineConfig(model=str(path), dtype=dtype, num_kv_blocks=need, max_num_batched_tokens=64), cfg,
-                     longest) == need
+    assert kv_blocks(EngineConfig(num_kv_blocks=need, **kw), cfg, longest) == need
     with pytest.raises(ConfigError, match="needs"):
-        kv_blocks(EngineConfig(model=str(path), dtype=dtype, num_kv_blocks=need - 1, max_num_batched_tokens=64), cfg,
-                  longest)
+        kv_blocks(EngineConfig(num_kv_blocks=need - 1, **kw), cfg, longest)
     if name == "windowed":
         assert need < -(-longest // eng.block_size)  # blocks out of every layer's window went back
 
@@ -74,7 +79,7 @@ def test_the_command(models, tmp_path, capsys):
     assert plan_main(["plan", "kv", "--model", str(models["mixtral"]), "--num-kv-blocks", "64",
                       "--prompt-tokens", "1024,1025,4096", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "bytes/token" in text and "fp8_e4m3*" in text and "projection" in text
+    assert "bytes/token" in text and "fp8_e4m3*" in text and "are scales" in text
     rows = {r["dtype"]: r for r in json.loads(out.read_text())["kv"]}
     assert rows["float32"]["tokens_per_worker"] == 1024
     assert rows["float32"]["cp_ranks"] == {"1024": 1, "1025": 2, "4096": 4}

@@ -115,7 +115,7 @@ def test_another_model_or_dtype_never_sees_the_files(tmp_path):
 def test_disk_tier_bound_evicts_lru(tmp_path):
     bm = _disk_with(tmp_path)
     size = next(iter(bm.tiers.disk.files.values()))
-    tier = DiskTier(tmp_path, SALT, 2 * size, bm.tiers.disk.shapes, torch.float32)  # reopened, smaller
+    tier = DiskTier(tmp_path, SALT, 2 * size, bm.tiers.disk.shapes, (torch.float32,) * 2)  # reopened, smaller
     assert len(tier) == 2 and tier.bytes <= 2 * size and tier.evictions == 1
     assert len(list(tier.dir.glob("*.kv"))) == 2
 

@@ -85,6 +85,9 @@ def checkpoint_dtype(model: str | None) -> str:
     return name if name in ("float32", "bfloat16", "float16") else "float32"
 
 
+KV_CACHE_DTYPES = {"auto": "auto", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}  # the names and their aliases
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model folder; None = the built-in demo model
@@ -98,6 +101,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None  # overrides kv_cache_gb
+    # the KV cache's storage: "auto" (the model's dtype) or "fp8_e4m3" ("fp8": e4m3 with a float32
+    # scale per block and KV head, afdserve.kvcache.fp8; attention still computes in dtype)
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # torch threads of this process (None: leave as is)
     # automatic prefix caching (afdserve.kvcache.block_manager); the tiers are per attention worker
     enable_prefix_caching: bool = True
@@ -156,6 +162,9 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = checkpoint_dtype(self.model)
         check("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use auto, float32, bfloat16 or float16")
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        check("kv_cache_dtype", self.kv_cache_dtype in ("auto", "fp8_e4m3"),
+              "use auto (the model's dtype) or fp8_e4m3 (alias fp8)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "attention_workers", "micro_batches"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "must be an integer >= 1")
         check("expert_workers", is_int(self.expert_workers) and self.expert_workers >= 0, "must be an integer >= 0")
@@ -211,6 +220,11 @@ class EngineConfig:
 
         if self.deployment is None:  # else the spec file sets the workers (afdserve.cluster.resolve_deployment)
             self.check_workers()
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's storage dtype by name: ``dtype``, or "fp8_e4m3"."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_workers(self) -> None:
         if self.cluster == "ray" and self.expert_workers < 1:

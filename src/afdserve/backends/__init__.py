@@ -47,13 +47,15 @@ def _cpu_kernels(dtype: torch.dtype) -> dict[str, str]:
 
 
 def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto", *, attention: str | None = None,
-           moe: str | None = None, latent: bool = False) -> Backends:
+           moe: str | None = None, latent: bool = False, fp8_kv: bool = False) -> Backends:
     """The backends of an engine on ``device`` computing in ``dtype``: ``backend`` for every component
     ("auto": cpu where the device is the CPU and the kernels run ``dtype`` here, else torch), with
     ``attention`` / ``moe`` overriding it for theirs ("triton": attention and norms, linear and MoE on
     torch).
-    ``latent``: the model uses MLA (the torch attention backend runs it). An explicit choice that
-    cannot run raises ConfigError saying why."""
+    ``latent``: the model uses MLA (the torch attention backend runs it). ``fp8_kv``: the KV cache is
+    FP8 (``afdserve.kvcache.fp8``), which the torch and triton attention backends read; the cpu one's
+    kernels read caches in the model's dtype only, so "auto" attends on torch then (its norm, linear
+    and MoE kernels stay). An explicit choice that cannot run raises ConfigError saying why."""
     device = torch.device(device)
     asked = {"attention": attention or backend, "moe": moe or backend, "linear": backend, "norm": backend}
     for part, name in asked.items():
@@ -75,6 +77,8 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
             why[part] = unavailable_reason(device)
     if latent:
         why["attention"] = why["attention"] or "MLA's latent attention runs on the torch backend"
+    if fp8_kv and asked["attention"] != "triton":
+        why["attention"] = why["attention"] or "the cpu attention kernels read KV caches in the model's dtype, not fp8"
     chosen = {}
     for part in ("linear", "norm", "moe", "attention"):
         name = asked[part]
@@ -83,10 +87,10 @@ def choose(device: torch.device | str, dtype: torch.dtype, backend: str = "auto"
         if name in ("cpu", "triton") and why[part]:
             raise ConfigError(f"invalid {part} backend {name!r}: {why[part]}")
         chosen[part] = name if name in ("cpu", "triton") else "cpu" if name == "auto" and not why[part] else "torch"
-    return _build(chosen, device)
+    return _build(chosen, device, fp8_kv)
 
 
-def _build(names: dict[str, str], device: torch.device) -> Backends:
+def _build(names: dict[str, str], device: torch.device, fp8_kv: bool) -> Backends:
     from afdserve.backends.pytorch.attention import TorchAttention
     from afdserve.backends.pytorch.linear import TorchLinear
     from afdserve.backends.pytorch.moe import TorchMoE
@@ -106,9 +110,9 @@ def _build(names: dict[str, str], device: torch.device) -> Backends:
     if names["attention"] == "triton":
         from afdserve.backends.triton.attention import TritonAttention
 
-        attention = TritonAttention(norm, device)
+        attention = TritonAttention(norm, device, fp8_kv)
     else:
-        attention = CpuAttention() if names["attention"] == "cpu" else TorchAttention(norm)
+        attention = CpuAttention() if names["attention"] == "cpu" else TorchAttention(norm, fp8_kv)
     return Backends(attention=attention,
                     moe=CpuMoE() if names["moe"] == "cpu" else TorchMoE(),
                     linear=CpuLinear() if names["linear"] == "cpu" else TorchLinear(), norm=norm)

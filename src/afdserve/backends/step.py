@@ -133,6 +133,7 @@ class AttnContext:
     is_decode: bool  # every sequence has one new token
     cos: torch.Tensor | None = None  # [T, rotary_dim] in the model's dtype
     sin: torch.Tensor | None = None
+    first_rows: torch.Tensor | None = None  # [S] int64: each sequence's first row (the FP8 cache's writes)
 
 
 @dataclass
@@ -153,6 +154,7 @@ class PagedContext(AttnContext):
         cu = np.zeros(layout.num_seqs + 1, dtype=np.int32)
         np.cumsum(layout.query_lens, out=cu[1:])
         return cls(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
-                   layout.num_tokens, layout.is_decode, block_tables=stage("block_tables", layout.block_table),
+                   layout.num_tokens, layout.is_decode, first_rows=stage("first_rows", layout.first_rows),
+                   block_tables=stage("block_tables", layout.block_table),
                    kv_lens=stage("kv_lens", layout.kv_lens.astype(np.int32)), cu_q=stage("cu_q", cu),
                    block_size=layout.block_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from afdserve.cluster import resolve_deployment
-from afdserve.config import OVERFLOW_POLICIES, EngineConfig
+from afdserve.config import KV_CACHE_DTYPES, OVERFLOW_POLICIES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV-cache memory per attention worker")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV-cache storage: auto (the model's dtype) or fp8_e4m3 (alias fp8: e4m3 with a float32 "
+                        "scale per block and KV head, half of bfloat16's bytes; attention computes in --dtype)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the attention half of decode steps (first compile ~10 s; off by default)")
@@ -87,7 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     kw = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, num_threads=args.num_threads,
+              block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
+              num_threads=args.num_threads,
               compile=args.compile, device=args.device, expert_device=args.expert_device, backend=args.backend,
               attention_backend=args.attention_backend, moe_backend=args.moe_backend,
               enable_prefix_caching=not args.no_prefix_cache,

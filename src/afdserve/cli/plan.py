@@ -132,7 +132,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     kv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="the model's dtype, which its KV cache is stored in (default float32; presets bfloat16)")
     kv.add_argument("--kv-cache-dtype", type=_names, default=None,
-                    help="KV dtypes to report (default: --dtype and fp8_e4m3, the latter a projection)")
+                    help="KV dtypes to report, comma-separated (default: --dtype and fp8_e4m3, alias fp8)")
     kv.add_argument("--prompt-tokens", type=_ints, default=(4096, 32768, 131072, 1048576),
                     help="prompt lengths to report CP ranks for (default 4096,32768,131072,1048576)")
     kv.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -188,6 +188,7 @@ def run_kv(args: argparse.Namespace) -> int:
     """``afdserve plan kv``: the report of ``planner.kv_capacity``."""
     from afdserve.engine.builder import resolve_model
     from afdserve.model.config import ModelConfig
+    from afdserve.config import KV_CACHE_DTYPES
     from afdserve.planner.kv_capacity import KVShape, capacity_table, kv_capacity
 
     if args.model in PRESETS:
@@ -196,14 +197,15 @@ def run_kv(args: argparse.Namespace) -> int:
         path = None if args.model is None else Path(args.model)
         folder = resolve_model(None if path is None else str(path.parent if path.name == "config.json" else path))
         shape = KVShape.of(ModelConfig.from_pretrained(folder), str(folder))
-    dtypes = args.kv_cache_dtype or [args.dtype or ("bfloat16" if args.model in PRESETS else "float32"), "fp8_e4m3"]
+    dtypes = [KV_CACHE_DTYPES.get(d, d) for d in args.kv_cache_dtype or
+              [args.dtype or ("bfloat16" if args.model in PRESETS else "float32"), "fp8_e4m3"]]
     caps = [kv_capacity(shape, d, args.block_size, args.kv_cache_gb, args.num_kv_blocks, args.max_num_batched_tokens)
             for d in dtypes]
     print(capacity_table(caps, list(args.prompt_tokens)))
     if args.json:
         rows = [{"dtype": c.dtype, "bytes_per_token": c.bytes_per_token, "bytes_per_block": c.bytes_per_block,
                  "blocks_per_worker": c.num_blocks, "tokens_per_worker": c.tokens_per_worker,
-                 "projection": c.dtype == "fp8_e4m3",
+                 "scale_bytes_per_token": c.scale_bytes_per_token,
                  "cp_ranks": {str(n): c.cp_ranks(n) for n in args.prompt_tokens}} for c in caps]
         args.json.write_text(json.dumps({"model": shape.name, "block_size": args.block_size, "kv": rows}, indent=2)
                              + "\n")

@@ -14,11 +14,9 @@ from collections import OrderedDict
 
 from afdserve.balance.attention import AttentionBalancer
 from afdserve.config import EngineConfig
-from afdserve.engine.builder import kv_blocks
-from afdserve.kvcache.cache import KVCache
+from afdserve.engine.builder import kv_block_bytes, kv_blocks
 from afdserve.kvcache.prefix import block_hashes
 from afdserve.model.config import ModelConfig
-from afdserve.model.loader import parse_dtype
 
 
 class PrefixRecord:
@@ -61,8 +59,7 @@ class PrefixRecord:
 
 def record_capacity(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
     """The blocks an attention worker can keep cached: its KV cache plus its host tier."""
-    per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                        cfg.block_size, parse_dtype(cfg.dtype))
+    per_block = kv_block_bytes(cfg, model_cfg)
     return kv_blocks(cfg, model_cfg, max_len) + int(cfg.prefix_cache_host_gb * 2**30 // per_block)
 
 

@@ -46,9 +46,18 @@ def context_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return n
 
 
+def kv_storage_dtype(cfg: EngineConfig) -> torch.dtype:
+    """What the KV cache stores: the model's dtype, or e4m3 (``kv_cache_dtype="fp8_e4m3"``)."""
+    return torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else parse_dtype(cfg.dtype)
+
+
+def kv_block_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    return KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size,
+                                   kv_storage_dtype(cfg), model_cfg.kv_latent_dim)
+
+
 def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
-    per_block = KVCache.bytes_per_block(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                                        cfg.block_size, parse_dtype(cfg.dtype), model_cfg.kv_latent_dim)
+    per_block = kv_block_bytes(cfg, model_cfg)
     n = cfg.num_kv_blocks or int(cfg.kv_cache_gb * 2**30 // per_block)
     need = KVCache.sequence_blocks(max_len, cfg.block_size, model_cfg.kv_window, cfg.max_num_batched_tokens)
     if n < need:
@@ -90,25 +99,26 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
         model.compile_decode()
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
-    kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size, dtype,
-                 model_cfg.kv_latent_dim, device)
+    kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size,
+                 kv_storage_dtype(cfg), model_cfg.kv_latent_dim, device)
     return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len,
                          backends)
 
 
 def engine_backends(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_cfg: ModelConfig) -> Backends:
     """The backends of a process computing on ``device``, chosen once from the device, what this
-    machine runs and the config's ``backend`` / ``attention_backend`` / ``moe_backend``."""
+    machine runs, the config's ``backend`` / ``attention_backend`` / ``moe_backend`` and its KV dtype."""
     return choose(device, dtype, cfg.backend, attention=cfg.attention_backend, moe=cfg.moe_backend,
-                  latent=model_cfg.mla is not None)
+                  latent=model_cfg.mla is not None, fp8_kv=cfg.kv_cache_dtype == "fp8_e4m3")
 
 
 def prefix_config(cfg: EngineConfig, path: Path) -> PrefixCacheConfig | None:
     """The prefix cache of an engine over the model at ``path`` (None: disabled). Keys are salted with
-    the model's identity, dtype and block size, so a disk tier of another model or dtype is never used."""
+    the model's identity, dtype, KV dtype and block size, so a disk tier of another model or dtype is
+    never used."""
     if not cfg.enable_prefix_caching:
         return None
-    return PrefixCacheConfig(model_salt(path, cfg.dtype, cfg.dtype, cfg.block_size),
+    return PrefixCacheConfig(model_salt(path, cfg.dtype, cfg.kv_dtype, cfg.block_size),
                              host_bytes=int(cfg.prefix_cache_host_gb * 2**30), disk_dir=cfg.prefix_cache_dir,
                              disk_bytes=int(cfg.prefix_cache_disk_gb * 2**30))
 

@@ -135,7 +135,7 @@ class BlockManager:
         self.salt = prefix.salt if prefix is not None else None
         self.tiers: Tiers | None = None
         if prefix is not None and kv is not None and (prefix.host_bytes > 0 or (prefix.disk_dir and prefix.disk_bytes > 0)):
-            self.tiers = Tiers(prefix, kv.block_shapes, kv.dtype, block_size)
+            self.tiers = Tiers(prefix, kv.block_shapes, kv.block_dtypes, block_size)
         self._counts = dict.fromkeys(("query_requests", "hit_requests", "query_tokens", "hit_tokens",
                                       "device_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "device_evictions"), 0)
 

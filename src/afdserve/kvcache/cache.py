@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from afdserve.kvcache.fp8 import FP8, SCALE_DTYPE, Fp8Pages
+
+Pages = torch.Tensor | Fp8Pages  # one layer's keys, values or latents, as the attention backend reads them
+
 
 class KVCache:
     """Keys and values of ``num_blocks`` blocks of ``block_size`` tokens, for every layer.
@@ -14,6 +18,10 @@ class KVCache:
     With ``latent_dim > 0`` the cache has MLA's latent layout instead: ``latent(layer)`` is a
     ``[num_blocks * block_size, latent_dim]`` view (the compressed latent and the decoupled RoPE key
     of each token) and there are no per-head keys or values.
+
+    With ``dtype`` ``torch.float8_e4m3fn`` (``kv_cache_dtype="fp8_e4m3"``) every tensor has a float32
+    scale per block and KV head beside it (per block for the latent; ``afdserve.kvcache.fp8``), and
+    the views are ``Fp8Pages`` (the e4m3 slots and their layer's scales).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -28,33 +36,48 @@ class KVCache:
             shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scales: list[torch.Tensor] = []  # fp8: [num_layers, num_blocks, heads] per tensor
+        if dtype == FP8:
+            heads = 1 if latent_dim else num_kv_heads
+            self.scales = [torch.zeros((num_layers, num_blocks, heads), dtype=SCALE_DTYPE, device=device)
+                           for _ in self.tensors()]
 
     @property
     def is_latent(self) -> bool:
         return self.lat is not None
 
-    def keys(self, layer: int) -> torch.Tensor:
+    def _pages(self, i: int, layer: int) -> Pages:
+        data = self.tensors()[i][layer]
+        return Fp8Pages(data, self.scales[i][layer], self.block_size) if self.scales else data
+
+    def keys(self, layer: int) -> Pages:
         if self.k is None:
             raise ValueError("a latent (MLA) cache has no per-head keys; use latent(layer)")
-        return self.k[layer]
+        return self._pages(0, layer)
 
-    def values(self, layer: int) -> torch.Tensor:
+    def values(self, layer: int) -> Pages:
         if self.v is None:
             raise ValueError("a latent (MLA) cache has no per-head values; use latent(layer)")
-        return self.v[layer]
+        return self._pages(1, layer)
 
-    def latent(self, layer: int) -> torch.Tensor:
+    def latent(self, layer: int) -> Pages:
         if self.lat is None:
             raise ValueError("a K/V cache has no latent layout; use keys(layer) / values(layer)")
-        return self.lat[layer]
+        return self._pages(0, layer)
 
     def tensors(self) -> list[torch.Tensor]:
         """The allocated tensors ([K, V], or [latent]), each ``[num_layers, num_slots, ...]``."""
         return [t for t in (self.k, self.v, self.lat) if t is not None]
 
-    def bytes_per_token_per_layer(self) -> int:
-        """Bytes the allocated tensors hold for one token of one layer."""
-        return sum(t[0, 0].numel() * t.element_size() for t in self.tensors())
+    def allocated_bytes(self) -> int:
+        """Bytes of every allocated tensor (fp8: with the scales)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors() + self.scales)
+
+    def bytes_per_token_per_layer(self) -> float:
+        """Bytes the allocated tensors hold for one token of one layer (fp8: with its share of the
+        block's scales)."""
+        return sum(t[0, 0].numel() * t.element_size() for t in self.tensors()) + sum(
+            s[0, 0].numel() * s.element_size() for s in self.scales) / self.block_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,9 +85,10 @@ class KVCache:
 
     def read_block(self, block: int) -> tuple[torch.Tensor, ...]:
         """Views of one block of every allocated tensor (keys and values, or the latent), each
-        ``[num_layers, block_size, ...]``: what the prefix cache's lower tiers keep of a block."""
+        ``[num_layers, block_size, ...]``, then (fp8) their scales, each ``[num_layers, heads]``:
+        what the prefix cache's lower tiers keep of a block, as stored."""
         s = slice(block * self.block_size, (block + 1) * self.block_size)
-        return tuple(t[:, s] for t in self.tensors())
+        return tuple(t[:, s] for t in self.tensors()) + tuple(t[:, block] for t in self.scales)
 
     def write_block(self, block: int, parts: tuple[torch.Tensor, ...]) -> None:
         for dst, src in zip(self.read_block(block), parts, strict=True):
@@ -75,8 +99,12 @@ class KVCache:
         return tuple(tuple(p.shape) for p in self.read_block(0))
 
     @property
+    def block_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(p.dtype for p in self.read_block(0))
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block (all layers)."""
+        """Bytes of one block (all layers; fp8: with its scales)."""
         return sum(p.numel() * p.element_size() for p in self.read_block(0))
 
     @staticmethod
@@ -84,7 +112,8 @@ class KVCache:
                         dtype: torch.dtype, latent_dim: int = 0) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         per_token = latent_dim if latent_dim else 2 * num_kv_heads * head_dim
-        return num_layers * block_size * per_token * elem
+        scales = (1 if latent_dim else 2 * num_kv_heads) * SCALE_DTYPE.itemsize if dtype == FP8 else 0
+        return num_layers * (block_size * per_token * elem + scales)
 
     @staticmethod
     def sequence_blocks(tokens: int, block_size: int, window: int = 0, step_tokens: int = 1) -> int:

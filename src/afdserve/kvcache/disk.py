@@ -25,7 +25,7 @@ FORMAT = "afdserve-kv-2"
 SUFFIX = ".kv"
 
 
-Block = tuple[torch.Tensor, ...]  # one block of every cache tensor: (keys, values), or (latent,)
+Block = tuple[torch.Tensor, ...]  # one block of every cache tensor: (keys, values), or (latent,); fp8: + scales
 
 
 def _digest(parts: Block) -> str:
@@ -47,10 +47,12 @@ def tier_dir(root: str | Path, salt: bytes) -> Path:
 
 class DiskTier:
     def __init__(self, root: str | Path, salt: bytes, limit_bytes: int, shapes: tuple[tuple[int, ...], ...],
-                 dtype: torch.dtype):
+                 dtypes: tuple[torch.dtype, ...]):
         self.dir = tier_dir(root, salt)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.salt, self.limit, self.dtype = salt, int(limit_bytes), dtype
+        self.salt, self.limit, self.dtypes = salt, int(limit_bytes), tuple(dtypes)
+        if len(self.dtypes) != len(shapes):
+            raise ValueError(f"disk tier: {len(shapes)} block shapes but {len(self.dtypes)} dtypes")
         self.shapes = tuple(tuple(s) for s in shapes)
         self.files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self.bytes = 0
@@ -86,7 +88,7 @@ class DiskTier:
             self._touch(key)
             return
         parts = tuple(p.detach().to("cpu").contiguous() for p in parts)
-        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.hex(), "dtype": str(self.dtype),
+        meta = {"format": FORMAT, "key": key.hex(), "salt": self.salt.hex(), "dtype": self._dtype_names(),
                 "shape": json.dumps([list(s) for s in self.shapes]), "sha256": _digest(parts)}
         data = st_save({f"t{i}": p for i, p in enumerate(parts)}, metadata=meta)
         final = self.path(key)
@@ -133,16 +135,19 @@ class DiskTier:
     def _validate(self, key: bytes, data: bytes) -> Block | None:
         meta = _metadata(data)
         if (meta.get("format") != FORMAT or meta.get("key") != key.hex() or meta.get("salt") != self.salt.hex()
-                or meta.get("dtype") != str(self.dtype)
+                or meta.get("dtype") != self._dtype_names()
                 or meta.get("shape") != json.dumps([list(s) for s in self.shapes])):
             return None
         t = st_load(data)
         parts = tuple(t.get(f"t{i}") for i in range(len(self.shapes)))
         if len(t) != len(self.shapes) or any(p is None or tuple(p.shape) != s for p, s in zip(parts, self.shapes)):
             return None
-        if any(p.dtype != self.dtype for p in parts) or meta.get("sha256") != _digest(parts):
+        if any(p.dtype != d for p, d in zip(parts, self.dtypes)) or meta.get("sha256") != _digest(parts):
             return None
         return parts
+
+    def _dtype_names(self) -> str:
+        return ",".join(str(d) for d in self.dtypes)
 
     def _drop(self, key: bytes) -> None:
         self.bytes -= self.files.pop(key, 0)

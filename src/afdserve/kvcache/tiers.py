@@ -78,11 +78,11 @@ def _nbytes(parts: Block) -> int:
 class Tiers:
     REPROBE = 64  # one in this many blocks judged not worth restoring is restored, to measure again
 
-    def __init__(self, cfg: PrefixCacheConfig, block_shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype,
-                 block_size: int):
+    def __init__(self, cfg: PrefixCacheConfig, block_shapes: tuple[tuple[int, ...], ...],
+                 dtypes: tuple[torch.dtype, ...], block_size: int):
         self.block_size = block_size
         self.host = HostTier(cfg.host_bytes) if cfg.host_bytes > 0 else None
-        self.disk = (DiskTier(cfg.disk_dir, cfg.salt, cfg.disk_bytes, block_shapes, dtype)
+        self.disk = (DiskTier(cfg.disk_dir, cfg.salt, cfg.disk_bytes, block_shapes, dtypes)
                      if cfg.disk_dir and cfg.disk_bytes > 0 else None)
         self.rates = {HOST: Rate(), DISK: Rate()}
         self.prefill = Rate()

@@ -6,8 +6,8 @@ layer keeps K and V of ``num_kv_heads x head_dim`` per token, or MLA's latent (`
 a worker's cache is ``kv_cache_gb`` split into blocks of ``block_size`` tokens (or
 ``num_kv_blocks``); a sequence holds one block per ``block_size`` tokens, except where every layer
 has a sliding window: then the blocks out of the window go back and a sequence holds at most the
-window plus one step's tokens. ``fp8_e4m3`` is a projection (one byte per element plus a float32
-scale per block and head, as vLLM stores it): the engine does not store FP8 KV yet.
+window plus one step's tokens. ``fp8_e4m3`` is the engine's ``kv_cache_dtype="fp8_e4m3"``: one
+byte per element plus a float32 scale per block and KV head (per block for MLA's latent).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from afdserve.kvcache.cache import KVCache
 from afdserve.model.config import ModelConfig
 from afdserve.planner.spec import ModelSpec
 
-# the dtypes the report knows, and the one byte per element FP8 would take (a projection: see above)
+# the dtypes the report knows (what the engine's KV cache stores)
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "fp8_e4m3": torch.float8_e4m3fn}
-SCALE_BYTES = 4  # fp8: a float32 scale per block and KV head (per block for MLA's latent)
 
 
 @dataclass(frozen=True)
@@ -58,12 +57,18 @@ class KVCapacity:
 
     @property
     def bytes_per_block(self) -> int:
-        """The engine's ``KVCache.bytes_per_block``, plus fp8's scales."""
+        """The engine's ``KVCache.bytes_per_block`` (fp8: with the scales)."""
         m = self.shape
-        data = KVCache.bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size,
+        return KVCache.bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size,
                                        KV_DTYPES[self.dtype], m.latent_dim)
-        scales = (1 if m.latent_dim else 2 * m.num_kv_heads) if self.dtype == "fp8_e4m3" else 0
-        return data + m.num_layers * scales * SCALE_BYTES
+
+    @property
+    def scale_bytes_per_token(self) -> float:
+        """fp8: the scales' share of ``bytes_per_token`` (0 otherwise)."""
+        m = self.shape
+        data = KVCache.bytes_per_block(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, torch.uint8,
+                                       m.latent_dim)
+        return (self.bytes_per_block - data) / self.block_size if self.dtype == "fp8_e4m3" else 0.0
 
     @property
     def bytes_per_token(self) -> float:
@@ -118,7 +123,10 @@ def capacity_table(caps: list[KVCapacity], prompts: list[int]) -> str:
         lines.append(f"{'prompt tokens':>13} {'blocks':>8} " + " ".join(f"{'CP ranks ' + c.dtype:>18}" for c in caps))
         for n in prompts:
             lines.append(f"{n:>13,} {c0.blocks_for(n):>8,} " + " ".join(f"{c.cp_ranks(n):>18}" for c in caps))
-    if any(c.dtype == "fp8_e4m3" for c in caps):
-        lines.append("* a projection: one byte per element and a float32 scale per block and KV head; "
-                     "the engine stores float32, bfloat16 or float16 KV")
+    for c in caps:
+        if c.dtype == "fp8_e4m3":
+            lines.append(f"* --kv-cache-dtype fp8_e4m3: one byte per element and a float32 scale per block and "
+                         f"{'block (MLA latent)' if cfg.latent_dim else 'KV head'}: {c.scale_bytes_per_token:,.2f} "
+                         f"of the {c.bytes_per_token:,.2f} bytes per token are scales")
+            break
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import torch
 
 from afdserve.backends.base import LinearOp, NormBackend
 from afdserve.backends.pytorch import mla
+from afdserve.backends.pytorch.kv import PlainKV, kv_access
 from afdserve.backends.pytorch.prefill_groups import PrefillGroup, plan
 from afdserve.backends.pytorch.sdpa import sdpa
 from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
@@ -29,13 +30,14 @@ class TorchAttention:
     name = "torch"
     latent = True
 
-    def __init__(self, norm: NormBackend):
+    def __init__(self, norm: NormBackend, fp8_kv: bool = False):
         self.norm = norm  # RoPE with the cache write
+        self.kv = kv_access(fp8_kv)  # how the cache is written and read (afdserve.backends.pytorch.kv)
 
     def prepare(self, layout: StepLayout, windows: tuple[int, ...], buffers: StepBuffers) -> TorchContext:
         stage = buffers.stage
         ctx = TorchContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
-                           layout.num_tokens, layout.is_decode)
+                           layout.num_tokens, layout.is_decode, first_rows=stage("first_rows", layout.first_rows))
         dec = layout.decode_seqs
         if dec.size:
             ctx.decode_rows = stage("decode_rows", layout.first_rows[dec])
@@ -54,16 +56,17 @@ class TorchAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: TorchContext, window: int,
                sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
         """q [T, heads, D] of the step's tokens over the paged cache [slots, kv_heads, D]."""
+        kv = self.kv
         if ctx.is_decode:
-            return _decode(q, k_cache, v_cache, *ctx.decode_kv[window], sinks, scale)
+            return _decode(kv, q, k_cache, v_cache, *ctx.decode_kv[window], sinks, scale)
         out = torch.empty_like(q)
         if ctx.decode_rows is not None:
             rows = ctx.decode_rows
-            out[rows] = _decode(q[rows], k_cache, v_cache, *ctx.decode_kv[window], sinks, scale)
+            out[rows] = _decode(kv, q[rows], k_cache, v_cache, *ctx.decode_kv[window], sinks, scale)
         for g in ctx.prefill[window]:
             qs = q[g.rows].transpose(1, 2)  # [P, nh, Lq, hd]
-            keys = k_cache[g.slots].transpose(1, 2)  # [P, nkv, Lk, hd]
-            vals = v_cache[g.slots].transpose(1, 2)
+            keys = kv.gather(k_cache, g.slots, q.dtype).transpose(1, 2)  # [P, nkv, Lk, hd]
+            vals = kv.gather(v_cache, g.slots, q.dtype).transpose(1, 2)
             o = _sdpa(qs, keys, vals, g.mask, sinks, scale)
             out[g.dst] = o.transpose(1, 2).reshape(-1, *q.shape[1:])[g.src]
         return out
@@ -71,7 +74,7 @@ class TorchAttention:
     def latent_attention(self, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                          ctx: TorchContext) -> torch.Tensor:
         """MLA (``afdserve.model.mla.MLAPart``): [T, heads, v_head_dim] attention outputs."""
-        return mla.attend(layer, q_nope, q_pe, cache, ctx)
+        return mla.attend(self.kv, layer, q_nope, q_pe, cache, ctx)
 
 
 class TorchHalf:
@@ -86,8 +89,7 @@ class TorchHalf:
         a = self.layer
         qkv = a.qkv(a.input_norm(x))
         norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
-        q = self.backend.norm.rope_cache(qkv, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping, a.num_heads,
-                                         a.num_kv_heads, *norms, a.eps)
+        q = self.backend.kv.rope_cache(self.backend.norm, qkv, ctx, k_cache, v_cache, a, norms)
         out = self.backend.attend(q, k_cache, v_cache, ctx, a.window, a.sinks, a.scale)
         h, y = a.post_norm.add_forward(a.o_proj(out.reshape(x.shape[0], -1)), x)
         return h, y, None if self.router is None else self.router(y).float()
@@ -106,13 +108,13 @@ def _decode_keys(layout: StepLayout, dec: np.ndarray, window: int) -> tuple[np.n
     return slots, (cols < kept[:, None])[:, None, None, :]
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+def _decode(kv: PlainKV, q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor, mask: torch.Tensor,
             sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [S, nh, hd] of decode sequences over their keys at ``slots`` [S, L] (``mask`` [S, 1, 1, L]):
     each key head's query heads as its queries (the same attention, several times faster on the CPU
     than ``enable_gqa``)."""
-    keys = k_cache[slots].transpose(1, 2)  # [S, nkv, L, hd]
-    vals = v_cache[slots].transpose(1, 2)
+    keys = kv.gather(k_cache, slots, q.dtype).transpose(1, 2)  # [S, nkv, L, hd]
+    vals = kv.gather(v_cache, slots, q.dtype).transpose(1, 2)
     grouped = q.view(q.shape[0], keys.shape[1], -1, q.shape[-1])  # [S, nkv, heads per kv head, hd]
     return _sdpa(grouped, keys, vals, mask, sinks, scale, gqa=False).reshape(q.shape)
 

@@ -16,18 +16,19 @@ from afdserve.backends.pytorch.sdpa import sdpa
 DECODE_CHUNK = 32  # decode sequences per attention call
 
 
-def attend(layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, ctx) -> torch.Tensor:
-    """[T, heads, v_head_dim] attention outputs of the step's tokens (``layer``: an ``MLAPart``;
-    ``ctx``: a ``TorchContext``, keys through window 0)."""
+def attend(kv, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache, ctx) -> torch.Tensor:
+    """[T, heads, v_head_dim] attention outputs of the step's tokens (``kv``: how the cache is read,
+    ``afdserve.backends.pytorch.kv``; ``layer``: an ``MLAPart``; ``ctx``: a ``TorchContext``, keys
+    through window 0)."""
     m, nh, t = layer.mla, layer.nh, q_nope.shape[0]
     if ctx.is_decode:
-        return _decode(layer, q_nope, q_pe, cache, *ctx.decode_kv[0])
+        return _decode(kv, layer, q_nope, q_pe, cache, *ctx.decode_kv[0])
     out = q_nope.new_empty(t, nh, m.v_head_dim)
     if ctx.decode_rows is not None:
         rows = ctx.decode_rows
-        out[rows] = _decode(layer, q_nope[rows], q_pe[rows], cache, *ctx.decode_kv[0])
+        out[rows] = _decode(kv, layer, q_nope[rows], q_pe[rows], cache, *ctx.decode_kv[0])
     for g in ctx.prefill[0]:
-        latent = cache[g.slots]  # [P, Lk, r + rope]
+        latent = kv.gather(cache, g.slots, q_nope.dtype)  # [P, Lk, r + rope]
         p, kv_len = latent.shape[:2]
         c, k_pe = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         k_nope, v = layer.kv_b_proj(c).view(p, kv_len, nh, -1).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
@@ -39,7 +40,7 @@ def attend(layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     return out
 
 
-def _decode(layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+def _decode(kv, layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache, slots: torch.Tensor,
             mask: torch.Tensor) -> torch.Tensor:
     """Absorbed decode: the scores ``q_nope W_UK c + q_pe k_pe`` against the cached latents, then
     ``W_UV`` on the attended latent."""
@@ -49,7 +50,7 @@ def _decode(layer, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor
     outs = []
     for s in range(0, q.shape[0], DECODE_CHUNK):
         e = s + DECODE_CHUNK
-        keys = cache[slots[s:e]][:, None]  # [S, 1, L, r + rope]: one key head
+        keys = kv.gather(cache, slots[s:e], q.dtype)[:, None]  # [S, 1, L, r + rope]: one key head
         # the heads as the queries of that one key head (faster on the CPU than enable_gqa)
         o = sdpa(q[s:e, None], keys, keys[..., : m.kv_lora_rank], attn_mask=mask[s:e], scale=m.softmax_scale)
         outs.append(o[:, 0])

@@ -3,7 +3,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project; authors Burkhard Ringlein,
 # Jan van Lunteren, Chih-Chieh Yang, Thomas Parnell), reduced to what afdserve runs: its 2D kernel
 # over a cache of slots [block * block_size + offset, kv_heads, head_dim], causal, GQA, sliding
-# windows and sinks. Changes: the cache addressed by slot, loads masked to the keys a query block
+# windows, sinks and FP8 caches (a scale per block and head). Changes: the cache addressed by slot, loads masked to the keys a query block
 # can see (blocks a sliding window gave back are -1 in the table and never read), float32 dots in
 # IEEE precision (float32 models, and the interpreter, whose bfloat16 dot is wrong in triton 3.9).
 """Paged attention in Triton: one kernel for a flat batch of prefill pieces (whole prompts, chunks
@@ -38,11 +38,12 @@ def _find_seq(query_start_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, sinks_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    scale, num_seqs, table_width,
+    k_scale_ptr, v_scale_ptr, scale, num_seqs, table_width,
     q_stride0, q_stride1, o_stride0, o_stride1, k_stride0, k_stride1, v_stride0, v_stride1, table_stride,
+    scale_stride,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, F32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, F32_DOT: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +93,12 @@ def paged_attention_kernel(
                     mask=d_ok[:, None] & key_ok[None, :], other=0.0)  # [HEAD_PAD, TILE]
         v = tl.load(v_ptr + slot[:, None] * v_stride0 + kv_head * v_stride1 + offs_d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE, HEAD_PAD]
+        if FP8_KV:  # e4m3 times the scale of its block and head, in float32, then the model's dtype
+            at = block * scale_stride + kv_head
+            k_s = tl.load(k_scale_ptr + at, mask=key_ok, other=0.0)
+            v_s = tl.load(v_scale_ptr + at, mask=key_ok, other=0.0)
+            k = (k.to(tl.float32) * k_s[None, :]).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q_ptr.dtype.element_ty)
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
