@@ -164,14 +164,14 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
         if pin:
             pin_workers(llm, sorted(os.sched_getaffinity(0)))
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        llm.engine.collect("trace")  # drop the warm-up's spans
+        llm.engine.traces()  # drop the warm-up's spans
         pids = [os.getpid()] + [w.pid for w in llm.engine.workers.values()]
         b0, o0 = cpu_snapshot(pids)
         t0 = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         dt = time.perf_counter() - t0
         b1, o1 = cpu_snapshot(pids)
-        per = llm.engine.collect("trace")
+        per = llm.engine.traces()
     from afdserve.runtime.trace import write_chrome_trace
 
     write_chrome_trace(path, per)
