@@ -156,3 +156,17 @@ def test_bad_profiles(tmp_path: Path, doc: dict) -> None:  # type: ignore[type-a
     f.write_text(json.dumps(doc))
     with pytest.raises(ConfigError):
         load_profile(f)
+
+
+def test_fit_nondecreasing() -> None:
+    from afdserve.planner import fit_nondecreasing
+
+    # pool adjacent violators: a dip is averaged with what it undercuts (here every earlier point);
+    # monotone data is kept
+    def flat(points):  # type: ignore[no-untyped-def]
+        return [v for p in points for v in p]
+
+    assert flat(fit_nondecreasing([(1, 1.3), (4, 1.3), (8, 1.4), (16, 1.1), (24, 1.6)])) == pytest.approx(
+        [1, 1.275, 4, 1.275, 8, 1.275, 16, 1.275, 24, 1.6])
+    assert flat(fit_nondecreasing([(2, 1.0), (1, 2.0)])) == pytest.approx([1, 1.5, 2, 1.5])
+    assert fit_nondecreasing([(1, 1.0), (2, 2.0)]) == ((1.0, 1.0), (2.0, 2.0))

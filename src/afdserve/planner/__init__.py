@@ -26,6 +26,7 @@ from afdserve.planner.fitting import (
     fit_attention,
     fit_expert,
     fit_network,
+    fit_nondecreasing,
     fit_runtime,
 )
 from afdserve.planner.local import LocalPrediction, predict_iteration_time, predict_local
@@ -65,6 +66,7 @@ __all__ = [
     "fit_attention",
     "fit_expert",
     "fit_network",
+    "fit_nondecreasing",
     "fit_runtime",
     "load_profile",
     "save_profile",

@@ -16,7 +16,8 @@ import numpy as np
 from afdserve.planner.costs import AttentionCost, ExpertCost, NetworkProfile, RuntimeCosts, WireFormat
 from afdserve.planner.profile import Profile
 
-__all__ = ["fit_affine", "fit_attention", "fit_expert", "fit_network", "fit", "TransportSamples", "fit_runtime"]
+__all__ = ["fit_affine", "fit_attention", "fit_expert", "fit_network", "fit", "TransportSamples", "fit_runtime",
+           "fit_nondecreasing"]
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
@@ -222,6 +223,22 @@ class TransportSamples:
     def as_dict(self) -> dict[str, list[list[float]]]:
         return {"oneway": self.oneway, "send": self.send, "send_ring": self.send_ring, "take": self.take,
                 "wake": self.wake}
+
+
+def fit_nondecreasing(samples: Sequence[Sequence[float]]) -> tuple[tuple[float, float], ...]:
+    """The least-squares non-decreasing fit (isotonic regression, pool-adjacent-violators) of
+    ``(x, y)`` samples, as ``(x, fitted y)`` points in ``x`` order: for quantities that cannot fall as
+    the work grows (a kernel's speed-up on more threads), so one noisy sample does not shape them."""
+    pts = sorted((float(x), float(y)) for x, y in samples)
+    blocks: list[list[float]] = []  # [sum of y, count]
+    for _, y in pts:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            tot, n = blocks.pop()
+            blocks[-1][0] += tot
+            blocks[-1][1] += n
+    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return tuple((x, y) for (x, _), y in zip(pts, ys))
 
 
 def fit_runtime(transport: TransportSamples, attention: Sequence[Sequence[float]], cores: int,

@@ -49,6 +49,7 @@ from afdserve.planner import (
     fit_attention,
     fit_expert,
     fit_network,
+    fit_nondecreasing,
     fit_runtime,
 )
 from afdserve.profiling.cache_flusher import CacheFlusher
@@ -164,8 +165,8 @@ def run_profile(
         log(f"lent cores: speed-ups on {cpu_cores()} threads over one:")
         head_x, moe_x = measure_lend(path, grid.step_batches, grid.pairs_per_expert, cpu_cores(), grid.repeats, flush,
                                      dtype, log=log)
-        runtime = replace(runtime, lend_lm_head_points=tuple((b, x) for b, x in head_x),
-                          lend_expert_points=tuple((p, x) for p, x in moe_x))
+        runtime = replace(runtime, lend_lm_head_points=fit_nondecreasing(head_x),
+                          lend_expert_points=fit_nondecreasing(moe_x))
         samples_lend = {"lend_lm_head": head_x, "lend_expert": moe_x}
     else:
         samples_lend = {}
