@@ -141,3 +141,12 @@ def test_an_abort_mid_transfer_frees_both_sides(ckpts):
         assert wait_until(lambda: _idle(llm), 20), llm.engine.worker_stats()
         short = {"prompt_token_ids": long["prompt_token_ids"][:40]}
         assert len(_ids(llm.generate([short], GREEDY))[0]) == GREEDY.max_tokens
+
+
+def test_bench_pd_measures_the_transfer(ckpts):
+    """``afdserve bench pd``'s transfer measurement: the decode worker's record of one prompt."""
+    from afdserve.bench.pd import report, transfer_tail
+
+    (t,) = transfer_tail(str(ckpts["mixtral"]), [200], budget=64)
+    assert t.tokens == 200 and t.prefill_s > 0 and t.tail_s > 0 and t.share < 1
+    assert "| 200 |" in report([t], [])
