@@ -119,7 +119,12 @@ def test_a_worker_lost_mid_transfer_loses_no_request(ckpts, victim):
         want = _ids(llm.generate(prompts, params))
     with LLM(str(ckpts["mixtral"]), **COMMON, **PD) as llm:
         pid = llm.engine.workers[victim].pid
-        got = _run_and(llm, prompts, params, _mid_prefill, lambda o: os.kill(pid, signal.SIGKILL))
+
+        def kill(o):
+            assert any(mv.handle is not None for mv in llm.engine.pd.moving.values())  # a transfer under way
+            os.kill(pid, signal.SIGKILL)
+
+        got = _run_and(llm, prompts, params, _mid_prefill, kill)
         assert got == want
         assert llm.engine.membership.restarts == {victim: 1} and llm.engine.failed is None
         assert wait_until(lambda: _idle(llm), 10), llm.engine.worker_stats()

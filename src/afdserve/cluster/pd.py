@@ -64,7 +64,7 @@ class PDRouter:
         c.owner[rid], c.lengths[rid], c.requests[rid] = p, len(ids), (ids, params)
         self.attempts += 1
         self.moving[rid] = Move(p, d, self.attempts)
-        c.workers[d].send(ReserveKV(rid, ids, c.attention.index(p), self.attempts))
+        c.workers[d].send(ReserveKV(rid, ids, self.attempts))
 
     def reserved(self, msg: KVReserved) -> None:
         """A decode worker holds the blocks: the prefill worker gets the request."""

@@ -189,9 +189,9 @@ class AttentionWorker:
         rx = self.receiver
         if rx is None:
             return [], 0
-        landed = rx.landed if asked else []
+        landed = list(rx.landed) if asked else []
         if asked:
-            rx.landed = []
+            rx.landed.clear()
         return landed, rx.reserved_blocks()
 
     def close(self) -> None:

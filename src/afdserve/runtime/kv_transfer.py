@@ -20,6 +20,7 @@ blocks go back at once. The same links and messages carry KV between any two att
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ from afdserve.runtime.messages import AdoptKV, KVLanded, KVReserved, KVTarget, R
 from afdserve.runtime.pipeline import PipelinedRunner
 
 KV_SLOTS = 8  # messages in flight per (prefill, decode) pair
+LANDED_KEPT = 1024  # transfer records a decode worker keeps for the next GetStats
 
 
 def pd_role(spec: WorkerSpec) -> str:
@@ -155,7 +157,7 @@ class KVReceiver:
     kv: KVCache
     incoming: dict[int, Incoming] = field(default_factory=dict)  # by handle
     queued: list[ReserveKV] = field(default_factory=list)  # waiting for free blocks
-    landed: list[KVLanded] = field(default_factory=list)  # since the last stats
+    landed: deque[KVLanded] = field(default_factory=lambda: deque(maxlen=LANDED_KEPT))  # since the last stats
     broken: bool = False  # a prefill peer failed: nothing is read until the links are new
     adopted: bool = False  # a request was adopted since the caller last looked
     _handles: int = 0

@@ -77,12 +77,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class ReserveKV:
-    """Decode worker: allocate the blocks of this prompt (its prefix-cache hits held, not copied) for
-    prefill worker ``prefill`` to fill; answered by ``KVReserved`` once the blocks are free."""
+    """Decode worker: allocate the blocks of this prompt (its prefix-cache hits held, not copied) for a
+    prefill worker to fill; answered by ``KVReserved`` once the blocks are free."""
 
     request_id: str
     prompt_token_ids: list[int]
-    prefill: int
     attempt: int = 0  # the front end's count of this request's reservations (a stale answer is told apart)
 
 
