@@ -126,6 +126,11 @@ class EngineConfig:
     # deployment (the runtime): expert_workers=0 is the colocated engine in this process
     attention_workers: int = 1
     expert_workers: int = 0
+    # prefill/decode disaggregation (afdserve.cluster.pd): attention workers 0..P-1 prefill new prompts,
+    # P..P+D-1 decode them after their first token, the KV moving layer by layer; 0 and 0: every
+    # attention worker does both (attention_workers of them)
+    prefill_workers: int = 0
+    decode_workers: int = 0
     micro_batches: int = 1
     gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
     expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
@@ -168,6 +173,18 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "attention_workers", "micro_batches"):
             check(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "must be an integer >= 1")
         check("expert_workers", is_int(self.expert_workers) and self.expert_workers >= 0, "must be an integer >= 0")
+        for name in ("prefill_workers", "decode_workers"):
+            check(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "must be an integer >= 0")
+        if self.prefill_workers or self.decode_workers:
+            pd = self.prefill_workers + self.decode_workers
+            check("prefill_workers", self.prefill_workers >= 1 and self.decode_workers >= 1,
+                  f"prefill/decode disaggregation needs both pools (decode_workers={self.decode_workers})")
+            check("attention_workers", self.attention_workers in (1, pd),
+                  f"with prefill_workers={self.prefill_workers} and decode_workers={self.decode_workers} the "
+                  f"attention workers are their sum ({pd}): leave attention_workers unset")
+            check("expert_workers", self.expert_workers >= 1,
+                  "prefill/decode disaggregation runs on a disaggregated deployment: needs expert_workers >= 1")
+            self.attention_workers = pd
         check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
               "must be an integer >= 2")
         check("kv_cache_gb", isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0, "must be > 0")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"m2n": "afdserve.cli.bench_m2n", "serve": "afdserve.cli.bench_serve", "kv": "afdserve.cli.bench_kv"}
+BENCHES = {"m2n": "afdserve.cli.bench_m2n", "serve": "afdserve.cli.bench_serve", "kv": "afdserve.cli.bench_kv",
+           "pd": "afdserve.cli.bench_pd"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -50,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("deployment")
     d.add_argument("--attention-workers", type=int, default=1, help="attention workers (data parallel)")
     d.add_argument("--expert-workers", type=int, default=0, help="expert workers (expert parallel); 0 = colocated")
+    d.add_argument("--prefill-workers", type=int, default=0, metavar="N",
+                   help="prefill/decode disaggregation: N attention workers prefill new prompts (with "
+                        "--decode-workers; the attention workers are then their sum)")
+    d.add_argument("--decode-workers", type=int, default=0, metavar="M",
+                   help="... and M decode them after their first token, the KV moving layer by layer")
     d.add_argument("--micro-batches", type=int, default=1, help="micro-batches of the ping-pong pipeline")
     d.add_argument("--gate", default="attention", choices=["attention", "expert"],
                    help="where the router runs: attention side (MegaScale-Infer) or expert side (JANUS)")
@@ -98,6 +103,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               prefix_cache_host_gb=args.prefix_cache_host_gb, prefix_cache_dir=args.prefix_cache_dir,
               prefix_cache_disk_gb=args.prefix_cache_disk_gb,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
+              prefill_workers=getattr(args, "prefill_workers", 0), decode_workers=getattr(args, "decode_workers", 0),
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),

@@ -25,7 +25,8 @@ from afdserve.balance.placement import Placement
 from afdserve.cluster.prefix_routing import PrefixRecord, place, record_capacity
 from afdserve.cluster import rebalance, resize
 from afdserve.cluster.process_launcher import start_store
-from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST, CrashCounts, Heartbeats, Membership
+from afdserve.cluster.pd import PDRouter
+from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST, CrashCounts, Heartbeats, Membership, serve_around
 from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
 from afdserve.engine.builder import context_len, front_end_tokenizer, prefix_config, resolve_model
@@ -40,7 +41,7 @@ from afdserve.planner import attention_request_cost
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
 from afdserve.runtime.messages import (ADDS_PER_MESSAGE, AbortRequests, Ack, AddRequest, AddRequests, Crashed,
-                                       FromWorker, GetStats, GetTrace, PeerLost, Ready, Regroup, SetMicroBatches,
+                                       FromWorker, GetStats, GetTrace, KVReserved, PeerLost, Ready, Regroup, SetMicroBatches,
                                        Shutdown, StatsReply, StepOutputs, ToWorker, TraceReply, WorkerSpec)
 from afdserve.runtime.trace import write_chrome_trace
 
@@ -89,6 +90,7 @@ class ClusterClient(FrontEnd):
         self.routes = PrefixRecord(self.attention, cfg.block_size, prefix.salt,
                                    record_capacity(cfg, self.model_cfg, self.max_model_len)) \
             if prefix is not None else None  # (one attention worker: kept for a resize that adds more)
+        self.pd = PDRouter(self) if cfg.prefill_workers else None  # prefill/decode disaggregation
         self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
         self._held: list[TokenOutput] = []  # outputs that arrived during a control call
         self._closed = False
@@ -153,6 +155,9 @@ class ClusterClient(FrontEnd):
         adds: dict[str, list[AddRequest]] = {}
         try:
             for rid, ids, params in requests:
+                if self.pd is not None:  # to a prefill worker once a decode worker holds its blocks
+                    self.pd.submit(rid, ids, params)
+                    continue
                 target = place(self.balancer, self.routes, rid, ids, params.max_tokens, len(self.attention) > 1)
                 self.owner[rid], self.lengths[rid], self.requests[rid] = target, len(ids), (ids, params)
                 adds.setdefault(target, []).append(AddRequest(rid, ids, params))
@@ -194,6 +199,8 @@ class ClusterClient(FrontEnd):
         target = self.owner.pop(request_id, None)
         self.lengths.pop(request_id, None)
         self.requests.pop(request_id, None)
+        if self.pd is not None:
+            self.pd.forget(request_id)
         if target is not None:
             self.balancer.remove(target, request_id)
         return target
@@ -205,7 +212,8 @@ class ClusterClient(FrontEnd):
             return self._lost(name, f"{self._who(name)} died ({w.exit_status()})")
         if isinstance(msg, StepOutputs):
             self.stats_view.on_step(name, msg.stats)
-            for o in msg.outputs:
+            outs = msg.outputs if self.pd is None else self.pd.outputs(name, msg.outputs)
+            for o in outs:
                 if o.finished:
                     self._release(o.request_id)
                 elif o.request_id in self.lengths:
@@ -213,7 +221,10 @@ class ClusterClient(FrontEnd):
                         self.crashes.progressed(o.request_id)
                     self.lengths[o.request_id] += len(o.new_token_ids)
                     self.balancer.update(name, o.request_id, self.lengths[o.request_id])
-            return msg.outputs
+            return outs
+        if isinstance(msg, KVReserved):
+            self.pd.reserved(msg)
+            return []
         if isinstance(msg, Crashed):
             return self._lost(name, msg.error, crashed=True)
         if isinstance(msg, PeerLost):  # a report from an older epoch is about links already replaced
@@ -250,7 +261,7 @@ class ClusterClient(FrontEnd):
         survivors = [n for n in self.workers if n != name and not self.membership.pending(n)]
         rec = self.membership.begin(name, reason, survivors)
         group = self.membership.group_of(rec.epoch)
-        missing = self._serve_around(rec.starting)
+        missing = serve_around(rec.starting, self.experts, self.config, self.expert_map)
         rec.degraded = bool(missing)
         for n in survivors:  # first: with missing workers, the others serve on while the replacements start
             self.workers[n].send(Regroup(rec.epoch, group, len(self.attention), len(self.experts), missing=missing))
@@ -263,7 +274,7 @@ class ClusterClient(FrontEnd):
             if n in self.attention:
                 if self.routes is not None:
                     self.routes.forget(n)  # a new process: its prefix cache is empty
-                self._readmit(n)
+                (self._readmit if self.pd is None else self.pd.readmit)(n)
         return outs
 
     def _fail_crashed(self, name: str, reason: str) -> list[TokenOutput]:
@@ -278,19 +289,6 @@ class ClusterClient(FrontEnd):
             outs.append(TokenOutput(rid, [], "abort", error=f"worker failure: {self._who(name)} crashed "
                                     f"{MAX_CRASHES_PER_REQUEST} times with this request in flight: {reason}"))
         return outs
-
-    def _serve_around(self, starting: set[str]) -> tuple[int, ...]:
-        """The expert workers (indices) that the others serve around while they are replaced: with
-        ``on_expert_loss="drop"`` any, with "wait" only those whose every expert has a replica on
-        another worker (outputs do not change); none when an attention worker is lost too, with the
-        expert-side gate, or when no expert worker is left. Empty: every step waits for the
-        replacements."""
-        if not starting <= set(self.experts) or self.config.gate != "attention" or starting == set(self.experts):
-            return ()
-        missing = tuple(sorted(self.experts.index(n) for n in starting))
-        if self.config.on_expert_loss == "drop":
-            return missing
-        return () if bool(self.expert_map.without(set(missing)).lost_experts().any()) else missing
 
     def _rejoin(self) -> None:
         """After a degraded epoch: every worker, the loaded replacements included, connects again."""

@@ -59,6 +59,8 @@ def scale(c: "ClusterClient", attention_workers: int | None, expert_workers: int
     check_pool_sizes(n_a, n_e, c.model_cfg.num_experts)
     if not c.can_replace:
         raise ConfigError("this deployment cannot start workers while it serves (its launcher cannot replace them)")
+    if c.pd is not None and n_a != len(c.attention):
+        raise ConfigError("a prefill/decode deployment's attention pools are not resized while it serves")
     t0 = time.monotonic()
     c.settle(timeout)  # a recovery or resize under way finishes first
     if (n_a, n_e) == (len(c.attention), len(c.experts)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger("afdserve.cluster")
 
@@ -166,3 +167,17 @@ class Heartbeats:
         self.looked = now
         return [(n, now - self.last.setdefault(n, now)) for n in names
                 if now - self.last.setdefault(n, now) > self.timeout]
+
+
+def serve_around(starting: set[str], experts: list[str], config: Any, expert_map: Any) -> tuple[int, ...]:
+    """The expert workers (indices) that the others serve around while they are replaced: with
+    ``on_expert_loss="drop"`` any, with "wait" only those whose every expert has a replica on
+    another worker (outputs do not change); none when an attention worker is lost too, with the
+    expert-side gate, or when no expert worker is left. Empty: every step waits for the
+    replacements."""
+    if not starting <= set(experts) or config.gate != "attention" or starting == set(experts):
+        return ()
+    missing = tuple(sorted(experts.index(n) for n in starting))
+    if config.on_expert_loss == "drop":
+        return missing
+    return () if bool(expert_map.without(set(missing)).lost_experts().any()) else missing

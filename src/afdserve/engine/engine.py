@@ -22,7 +22,7 @@ from afdserve.engine.runner import ModelInput, ModelOutput, Runner
 from afdserve.engine.sampler import SamplingInputs, plain_greedy, rows_logprobs, sample
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from afdserve.engine.sequence import Sequence
+from afdserve.engine.sequence import Sequence, Status
 from afdserve.errors import RequestError
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.prefix import PrefixCacheStats
@@ -99,6 +99,32 @@ class Engine:
                 self.grammars.accept(seq, tok)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def adopt(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+              output_token_ids: list[int], seq_id: int, num_cached_tokens: int) -> None:
+        """Takes over a request whose prompt another worker prefilled (prefill/decode
+        disaggregation): its KV is in the blocks ``seq_id`` holds already; it decodes from
+        ``output_token_ids`` on. Its first output went out from the prefill worker."""
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival=time.monotonic(), seq_id=seq_id,
+                       output_token_ids=list(output_token_ids), num_computed=len(prompt_token_ids),
+                       status=Status.RUNNING, num_cached_tokens=num_cached_tokens)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need the tokenizer on the worker that samples")
+            self.grammars.add(seq)
+            for tok in seq.output_token_ids:
+                self.grammars.accept(seq, tok)
+        self.blocks.commit(seq_id, self.scheduler._keys(seq), seq.num_computed)  # its full blocks are cached
+        self.seqs[request_id] = seq
+        self._reported.add(request_id)
+        self.scheduler.running.append(seq)
+
+    @staticmethod
+    def new_seq_id() -> int:
+        """A sequence id no sequence of this process holds (blocks reserved before the sequence)."""
+        return Sequence("", [], SamplingParams()).seq_id
 
     def abort(self, request_id: str) -> bool:
         """Drops a request and frees its KV blocks; False if it is not here (finished already)."""

@@ -94,6 +94,21 @@ class KVCache:
         for dst, src in zip(self.read_block(block), parts, strict=True):
             dst.copy_(src, non_blocking=True)
 
+    def layer_blocks(self, layer: int) -> list[torch.Tensor]:
+        """One layer's storage by block: each tensor ``[num_blocks, block_size, ...]`` (keys and values,
+        or the latent), then (fp8) their scales ``[num_blocks, heads]``: what a prefill/decode
+        transfer moves of a layer's blocks, as stored (e4m3 as its bytes)."""
+        n, bs = self.num_blocks, self.block_size
+        raw = [t.view(torch.uint8) if t.dtype == FP8 else t for t in self.tensors()]  # (bytes: copied as they are)
+        return [t[layer].view(n, bs, *t.shape[2:]) for t in raw] + [s[layer] for s in self.scales]
+
+    def read_layer_blocks(self, layer: int, blocks: torch.Tensor) -> list[torch.Tensor]:
+        return [t.index_select(0, blocks) for t in self.layer_blocks(layer)]
+
+    def write_layer_blocks(self, layer: int, blocks: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        for dst, src in zip(self.layer_blocks(layer), parts, strict=True):
+            dst.index_copy_(0, blocks, src.to(dst.device))
+
     @property
     def block_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(p.shape) for p in self.read_block(0))

@@ -19,9 +19,11 @@ from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.links import Links, PeerFailure, regroup
-from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AttentionStats, GetStats, GetTrace,
-                                       PeerLost, Regroup, SetMicroBatches, Shutdown, StatsReply, StepOutputs, SwitchMap,
-                                       ToWorker, TraceReply, WorkerSpec, worker_name)
+from afdserve.runtime.kv_transfer import KVReceiver, PrefillRunner, chunk_blocks, kv_links, pd_role
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AdoptKV, AttentionStats, GetStats,
+                                       GetTrace, KVReserved, PeerLost, Regroup, ReserveKV, SetMicroBatches, Shutdown,
+                                       StatsReply, StepOutputs, SwitchMap, ToWorker, TraceReply, WorkerSpec,
+                                       worker_name)
 from afdserve.runtime.dispatch import Capacity
 from afdserve.runtime.pipeline import PipelinedRunner
 from afdserve.runtime.lanes import Lanes
@@ -45,14 +47,20 @@ class AttentionWorker:
         side = load_attention_side(cfg, path, model_cfg, CheckpointReader(path))
         tracker = LoadTracker(model_cfg.num_layers, model_cfg.num_experts, cfg.load_window, device=side.model.device) \
             if cfg.gate == "attention" else None
-        self.runner = PipelinedRunner(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
-                                      self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker,
-                                      hooks=self.hooks,
-                                      capacity=Capacity(cfg.expert_capacity_factor, cfg.on_expert_overflow))
+        self.role = pd_role(spec)  # prefill/decode disaggregation: decided here, once
+        runner_cls = PrefillRunner if self.role == "prefill" else PipelinedRunner
+        self.runner = runner_cls(side.model, side.kv, self.links, spec.expert_map, cfg.micro_batches, cfg.gate,
+                                 self.tracer, timeout_s=cfg.comm_timeout_ms / 1000, tracker=tracker, hooks=self.hooks,
+                                 capacity=Capacity(cfg.expert_capacity_factor, cfg.on_expert_overflow))
         self.runner.set_map(spec.map_version, spec.expert_map)
         # structured outputs: the tokenizer (and xgrammar) load on the first constrained request
         grammars = XGrammars(cfg.tokenizer or spec.model_path, model_cfg.vocab_size, spec.eos_token_ids)
         self.engine = build_engine(cfg, side, self.runner, set(spec.eos_token_ids), grammars)
+        self.kv = side.kv
+        self.kv_comm = kv_links(spec, side.kv) if self.role != "mixed" else None
+        self.receiver = KVReceiver(self.kv_comm, self.engine, side.kv) if self.role == "decode" else None
+        if isinstance(self.runner, PrefillRunner):
+            self.runner.transfer(self.kv_comm, chunk_blocks(spec), self.engine)
         self.waiting_for_regroup = False  # a peer was lost: no step until the links are new
         self.epoch = spec.epoch  # membership epoch of the links
         self.held: list[ToWorker] = []  # control messages waiting for no step in flight
@@ -65,7 +73,9 @@ class AttentionWorker:
         while True:
             idle = not lanes.busy and (not eng.has_unfinished() or self.waiting_for_regroup)
             t0 = time.time_ns()
-            if (idle or ctl.due()) and ctl.poll(0.05 if idle else 0):
+            rx = self.receiver  # a decode worker waits for KV blocks rather than control messages
+            expecting = rx is not None and rx.expecting
+            if (idle or ctl.due()) and ctl.poll(0.05 if idle and not expecting else 0):
                 while True:
                     msg = ctl.recv()
                     if isinstance(msg, Shutdown):
@@ -82,6 +92,12 @@ class AttentionWorker:
                 held, self.held = self.held, []
                 for msg in held:
                     self._control(msg, ctl)
+            if rx is not None:
+                rx.poll(0.02 if idle and expecting else 0.0)
+                if rx.adopted:
+                    rx.adopted = False
+                    lanes.changed()
+                self._reserved(rx.retry())
             if idle:
                 if self.tracer.enabled and eng.has_unfinished():
                     self.tracer.spans.append(idle_span(t0))
@@ -93,6 +109,12 @@ class AttentionWorker:
                 lanes.abandon()
                 self.waiting_for_regroup = True
                 ctl.send(PeerLost(self.spec.name, e.peer, str(e), self.epoch))
+
+    def _reserved(self, replies: list[KVReserved]) -> None:
+        for r in replies:
+            self._ctl.send(KVReserved(self.spec.name, r.request_id, r.handle, r.skip_blocks, r.attempt))
+        if replies:
+            self.lanes.changed()
 
     def _emit(self, outs: list[TokenOutput]) -> None:
         if outs:
@@ -106,6 +128,8 @@ class AttentionWorker:
             for r in msg.requests if isinstance(msg, AddRequests) else [msg]:
                 try:
                     self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.output_token_ids)
+                    if r.kv is not None:  # a prefill worker's: its KV goes to the decode worker
+                        self.runner.add(r.request_id, r.kv)
                 except Exception as e:  # validated by the front end already; report anyway
                     failed.append(_failed(r.request_id, f"{type(e).__name__}: {e}"))
             if failed:
@@ -113,13 +137,21 @@ class AttentionWorker:
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.engine.abort(rid)
+                if self.receiver is not None:
+                    self.receiver.abort(rid)  # a reservation (queued, filling or landed)
+                elif self.role == "prefill":
+                    self.runner.drop(rid)
+        elif isinstance(msg, ReserveKV):
+            self._reserved(self.receiver.reserve(msg))
+        elif isinstance(msg, AdoptKV):
+            self.receiver.adopt(msg)
         elif isinstance(msg, GetTrace):
             ctl.send(TraceReply(name, self.tracer.events(msg.tid)))
             self.tracer.spans.clear()
         elif isinstance(msg, GetStats):
             tracker = self.runner.tracker
             ctl.send(StatsReply(name, self._stats(tracker.snapshot().to_json() if tracker is not None else None,
-                                                  self.links.transports(), self.engine.prefix_stats())))
+                                                  self.links.transports(), self.engine.prefix_stats(), asked=True)))
         elif isinstance(msg, SetMicroBatches):  # between steps, like SwitchMap
             self.runner.m = msg.m
             ctl.send(Ack(name, msg.m))
@@ -130,6 +162,13 @@ class AttentionWorker:
             self.peers = [worker_name("expert", j) for j in range(msg.expert_workers)]
             self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing,
                                                        self.hooks.spin_yield)
+            if self.kv_comm is not None:  # the KV links anew too, after the expert links (the same order everywhere)
+                self.kv_comm.close()
+                self.kv_comm = kv_links(self.spec, self.kv, msg.group)
+                if self.receiver is not None:
+                    self.receiver.regroup(self.kv_comm)
+                else:
+                    self.runner.regroup(self.kv_comm)
             self.epoch, self.waiting_for_regroup = msg.epoch, False
         elif isinstance(msg, SwitchMap):  # processed between steps, so the whole next step uses the new map
             self.runner.set_map(msg.version, msg.expert_map)  # (never while an expert worker is missing)
@@ -138,15 +177,27 @@ class AttentionWorker:
             raise TypeError(f"{name} got an unexpected message {type(msg).__name__}")
 
     def _stats(self, load: str | None = None, transports: dict[str, str] | None = None,
-               prefix: PrefixCacheStats | None = None) -> AttentionStats:
+               prefix: PrefixCacheStats | None = None, asked: bool = False) -> AttentionStats:
         eng = self.engine
         per_worker, (lost, over, second) = self.runner.counts()
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, per_worker,
-                              load, transports or {}, prefix, lost, over, second)
+                              load, transports or {}, prefix, lost, over, second, *self._kv_stats(asked))
+
+    def _kv_stats(self, asked: bool) -> tuple[list, int]:
+        """A decode worker's transfers since the last ``GetStats`` and the blocks it holds reserved."""
+        rx = self.receiver
+        if rx is None:
+            return [], 0
+        landed = list(rx.landed) if asked else []
+        if asked:
+            rx.landed.clear()
+        return landed, rx.reserved_blocks()
 
     def close(self) -> None:
         self.links.close()
+        if self.kv_comm is not None:
+            self.kv_comm.close()
 
 
 def _failed(request_id: str, reason: str) -> TokenOutput:

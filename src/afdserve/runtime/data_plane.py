@@ -8,6 +8,9 @@ tensors are views of the receiver's registered slot until ``release``. Kinds:
   another worker, or a padding row of the fixed-capacity slot: ``runtime/dispatch.py``) and weights
   [n, k] float32; ``map_version``: the expert map the sender routed by.
 * ``EXPERT_OUTPUT`` (expert -> attention): the partial sums [n, H] of this worker's experts.
+* ``KV_BLOCKS`` (prefill attention worker -> decode attention worker, on the KV links of
+  ``runtime/kv_transfer.py``): one layer's KV of ``n`` consecutive blocks of a prompt, as stored
+  (keys and values or the latent [n, block_size, ...], then fp8 scales [n, heads]).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from afdserve.comm import Message, Meta
 class Kind(IntEnum):
     EXPERT_INPUT = 1
     EXPERT_OUTPUT = 2
+    KV_BLOCKS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,41 @@ class ExpertOutput:
     def release(self) -> None:
         if self.message is not None:
             self.message.release()
+
+
+@dataclass(slots=True)
+class KVBlocks:
+    """Blocks ``first``.. of the prompt of decode reservation ``handle``, for ``layer``: after it the
+    receiver holds that layer's KV of the prompt's first ``end`` tokens (from its reserved start)."""
+
+    handle: int
+    layer: int
+    first: int  # the sequence's block index of parts' first block
+    end: int
+    stamp_ns: int  # time.time_ns() when the layer's attention ended at the sender
+    start_ns: int  # ... when the prefill began there
+    parts: list[torch.Tensor]
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        return Meta(step=self.handle, layer=self.layer, num_tokens=int(self.parts[0].shape[0]),
+                    ints=(self.first, self.end, self.stamp_ns, self.start_ns), kind=Kind.KV_BLOCKS)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.parts
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
+def read_kv(msg: Message) -> KVBlocks:
+    """The KV blocks a message of the KV links holds (views of the slot until ``release``)."""
+    m = msg.meta
+    if m.kind != Kind.KV_BLOCKS or len(m.ints) != 4:
+        msg.release()
+        raise ValueError(f"message from {msg.peer!r} of kind {m.kind} on the KV links is not KV blocks")
+    return KVBlocks(m.step, m.layer, m.ints[0], m.ints[1], m.ints[2], m.ints[3], list(msg.tensors), msg)
 
 
 def read(msg: Message) -> ExpertInput | ExpertOutput:

@@ -99,7 +99,7 @@ class Lanes:
         self.nothing_to_begin = False
 
     def _task(self, lane: int, step: StepInputs) -> Generator[Dispatch | None, None, None]:
-        out = yield from self.runner.run(lane, self.runner.next_step(), step.model_input)
+        out = yield from self.runner.run(lane, self.runner.next_step(), step.model_input, step.batch)
         yield None  # sampling after the lanes whose replies came
         with self.tracer.span("engine", phase="finish", mb=lane):
             outs = self.engine.finish(step, out)

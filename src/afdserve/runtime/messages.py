@@ -56,11 +56,46 @@ def worker_name(role: str, index: int) -> str:
 
 # ---- front end -> worker ------------------------------------------------------------------------
 @dataclass(frozen=True)
+class KVTarget:
+    """Prefill/decode disaggregation: where a prefill worker sends a prompt's KV, layer by layer --
+    attention worker ``decode``'s reservation ``handle`` (blocks it allocated up front), but for its
+    first ``skip_blocks`` blocks, which its prefix cache holds already."""
+
+    decode: int
+    handle: int
+    skip_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
+    kv: KVTarget | None = None  # a prefill worker's request: its KV goes there as it is computed
+
+
+@dataclass(frozen=True)
+class ReserveKV:
+    """Decode worker: allocate the blocks of this prompt (its prefix-cache hits held, not copied) for a
+    prefill worker to fill; answered by ``KVReserved`` once the blocks are free."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    attempt: int = 0  # the front end's count of this request's reservations (a stale answer is told apart)
+
+
+@dataclass(frozen=True)
+class AdoptKV:
+    """Decode worker: the prefill of reservation ``handle`` produced ``output_token_ids``: decode the
+    request from there once every layer's KV has landed (a reservation it no longer holds, its links
+    having been renewed meanwhile: recompute the prompt)."""
+
+    request_id: str
+    handle: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int]
 
 
 ADDS_PER_MESSAGE = 1024  # requests of one AddRequests message at most (a huge batch goes in several)
@@ -156,6 +191,8 @@ class AttentionStats:
     dropped: int = 0  # (token, k) expert assignments dropped since the last stats (a missing expert worker)
     capacity_dropped: int = 0  # ... dropped over an expert worker's capacity (--on-expert-overflow=drop)
     second_pass_rows: int = 0  # token rows sent in a second pass since the last stats (over capacity)
+    kv_landed: list[KVLanded] = field(default_factory=list)  # a decode worker's transfers since the last GetStats
+    kv_reserved: int = 0  # a decode worker's blocks held for transfers (reserved, not adopted yet)
 
 
 @dataclass(frozen=True)
@@ -180,6 +217,30 @@ class StepOutputs:
     worker: str
     outputs: list[TokenOutput]
     stats: AttentionStats
+
+
+@dataclass(frozen=True)
+class KVReserved:
+    """A decode worker's answer to ``ReserveKV``."""
+
+    worker: str
+    request_id: str
+    handle: int
+    skip_blocks: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class KVLanded:
+    """A transfer's timing (``time.time_ns``, one clock on one machine): the prefill's first step
+    began, its last layer ended there, every layer had landed here."""
+
+    request_id: str
+    tokens: int
+    blocks: int
+    prefill_start_ns: int
+    last_layer_ns: int
+    landed_ns: int
 
 
 @dataclass(frozen=True)
@@ -226,8 +287,8 @@ class Crashed:
 
 
 ToWorker = Union[WorkerSpec, AddRequest, AddRequests, AbortRequests, GetStats, GetTrace, SetMicroBatches, PrepareMap,
-                 SwitchMap, CommitMap, Regroup, Shutdown]
-FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Heartbeat, Crashed]
+                 SwitchMap, CommitMap, Regroup, Shutdown, ReserveKV, AdoptKV]
+FromWorker = Union[Ready, StepOutputs, StatsReply, TraceReply, Ack, PeerLost, Heartbeat, Crashed, KVReserved]
 _TYPES = ToWorker.__args__ + FromWorker.__args__  # type: ignore[attr-defined]
 
 

@@ -20,6 +20,7 @@ from afdserve.backends.step import StepBuffers
 from afdserve.balance.load import LoadTracker
 from afdserve.comm import PeerTimeoutError
 from afdserve.engine.runner import ModelInput, ModelOutput, head, stage
+from afdserve.engine.scheduler import Batch
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.data_plane import ExpertInput, ExpertOutput, LayerKey, read
@@ -180,9 +181,11 @@ class PipelinedRunner:
             self.poll(self.timeout)
 
     # ---- one lane's step --------------------------------------------------------------------------
-    def run(self, lane: int, step: int, inp: ModelInput) -> Generator[Dispatch, None, ModelOutput]:
+    def run(self, lane: int, step: int, inp: ModelInput, batch: Batch | None = None
+            ) -> Generator[Dispatch, None, ModelOutput]:
         """One step of ``lane`` through every layer: yields each ``Dispatch`` it then waits on (resume
-        it once the dispatch is complete); returns the step's ``ModelOutput``."""
+        it once the dispatch is complete); returns the step's ``ModelOutput``. ``batch``: the engine's
+        batch of the step (a prefill worker's runner sends its sequences' KV layer by layer)."""
         m, tr = self.model, self.tracer
         buffers = self._buffers.get(lane)
         if buffers is None:
@@ -192,12 +195,17 @@ class PipelinedRunner:
         for layer in range(m.cfg.num_layers):
             with tr.span("attention", mb=lane, layer=layer, tokens=ctx.num_tokens):
                 h, y, ids, w = m.pre_moe(layer, x, ctx, self.kv)
+            self.attended(layer, batch)
             d = self.dispatch(LayerKey(step, lane, layer), h, y, ids, w)
             if d.parts:
                 yield d
             x = self.combine(d)
         with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
             return head(m, x[rows], inp.greedy)
+
+    def attended(self, layer: int, batch: Batch | None) -> None:
+        """The step's attention of ``layer`` is done (its KV written): nothing to do here (a prefill
+        worker's runner sends it to the decode workers: ``afdserve.runtime.kv_transfer``)."""
 
     def _deadline(self, rows: int) -> float:
         """When replies to a dispatch of ``rows`` rows are late: a dead peer is detected at once, a
