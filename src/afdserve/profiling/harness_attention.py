@@ -9,12 +9,27 @@ from typing import Any
 
 import torch
 
+from afdserve.backends.step import StepLayout
+from afdserve.kvcache import KVCache
 from afdserve.profiling.loopback import LoopbackLinks
 from afdserve.profiling.parts import Checkpoint, attention_runner, decode_layout, kv_cache, step_context
 from afdserve.profiling.timers import median_time
 from afdserve.runtime import ExpertMap, LayerKey, Tracer
 
 __all__ = ["measure_attention", "measure_colocated_attention"]
+
+
+def _decode_point(ckpt: Checkpoint, b: int, s: int, block_size: int,
+                  gen: torch.Generator) -> tuple[int, KVCache, StepLayout, torch.Tensor]:
+    """``(s, kv, layout, x)`` of one timed point: ``s`` clipped to the model's context, a paged cache
+    of ``b`` sequences of ``s`` tokens filled with noise, their decode layout and the layer input."""
+    cfg, dt = ckpt.cfg, ckpt.dtype
+    s = max(2, min(int(s), cfg.max_position_embeddings - 1))
+    layout, blocks = decode_layout(b, s, block_size)
+    kv = kv_cache(cfg, blocks, block_size, dt)
+    for t in kv.tensors():
+        t.normal_(0, 1, generator=gen)
+    return s, kv, layout, (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
 
 
 @torch.inference_mode()
@@ -40,15 +55,10 @@ def measure_attention(
     gen = torch.Generator().manual_seed(0)
     out = []
     for b, s, n_e in points:
-        s = max(2, min(int(s), cfg.max_position_embeddings - 1))
         n_e = max(1, min(int(n_e), cfg.num_experts))
-        layout, blocks = decode_layout(b, s, block_size)
-        kv = kv_cache(cfg, blocks, block_size, dt)
-        for t in kv.tensors():
-            t.normal_(0, 1, generator=gen)
+        s, kv, layout, x = _decode_point(ckpt, b, s, block_size, gen)
         emap = ExpertMap.contiguous(cfg.num_layers, cfg.num_experts, n_e)
         runner = attention_runner(model, kv, LoopbackLinks(cfg.hidden_size, dt), emap, Tracer("profile"))
-        x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
         ctx = step_context(model, layout)
         state: dict[str, Any] = {"n": 0, "flight": None}
 
@@ -83,17 +93,12 @@ def measure_colocated_attention(
     (``ModelRunner.forward``) outside its experts -- ``pre_moe`` and ``post_moe`` over the experts'
     output, no dispatch.  Median over ``repeats`` calls cycling through the layers."""
     ckpt = Checkpoint(model_path, dtype)
-    cfg, dt = ckpt.cfg, ckpt.dtype
+    cfg = ckpt.cfg
     model = ckpt.attention_model()
     gen = torch.Generator().manual_seed(0)
     out = []
     for b, s in points:
-        s = max(2, min(int(s), cfg.max_position_embeddings - 1))
-        layout, blocks = decode_layout(b, s, block_size)
-        kv = kv_cache(cfg, blocks, block_size, dt)
-        for t in kv.tensors():
-            t.normal_(0, 1, generator=gen)
-        x = (torch.randn(b, cfg.hidden_size, generator=gen) * 0.1).to(dt)
+        s, kv, layout, x = _decode_point(ckpt, b, s, block_size, gen)
         routed = torch.zeros_like(x)
         ctx = step_context(model, layout)
         n = [0]
