@@ -186,7 +186,7 @@ def simulate_runtime(cfg: RuntimeSim) -> RuntimeSimResult:
                     yield ("cpu", c.lm_head_time(b_k), c.lend_lm_head_speedup(b_k))
                     runnable.append(k)
                 continue
-            idle = next((k for k in range(m) if layer[k] < 0 and k not in runnable), None)
+            idle = next((k for k in range(m) if layer[k] < 0), None)  # (a runnable lane is at layer L-1)
             if idle is not None:  # a new step on an idle lane
                 began[idle], count = count, count + 1
                 yield ("cpu", begin[idle], None)
