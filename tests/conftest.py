@@ -13,7 +13,13 @@ import torch  # noqa: E402  (torch does not import triton)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_models import ARCHS, make_checkpoint, make_tool_checkpoint  # noqa: E402
+from tiny_models import (  # noqa: E402
+    ARCHS,
+    make_checkpoint,
+    make_deepseek_checkpoint,
+    make_gpt_oss_checkpoint,
+    make_tool_checkpoint,
+)
 
 
 def _missing_kernels() -> str | None:
@@ -60,3 +66,13 @@ def tiny_mixtral(tmp_path_factory) -> Path:
 def tiny_tool_model(tmp_path_factory) -> Path:
     """A tiny Mixtral whose chat template declares tools (tiny_models.TOOL_TEMPLATE)."""
     return make_tool_checkpoint(tmp_path_factory.mktemp("mixtral_tools"))
+
+
+@pytest.fixture(scope="session")
+def four_archs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny checkpoints of Mixtral, Qwen3-MoE, DeepSeek-V3 (MLA) and gpt-oss (sinks, windows), by name."""
+    root = tmp_path_factory.mktemp("four_archs")
+    return {"mixtral": make_checkpoint(root / "mixtral", "mixtral"),
+            "qwen3_moe": make_checkpoint(root / "qwen3", "qwen3_moe"),
+            "deepseek_v3": make_deepseek_checkpoint(root / "ds3", 3),
+            "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss")}

@@ -21,7 +21,7 @@ from afdserve.kvcache.block_manager import BlockManager
 from afdserve.kvcache.cache import KVCache
 from afdserve.kvcache.fp8 import FP8, FP8_MAX, Fp8Pages, dequantize, write
 from afdserve.kvcache.prefix import PrefixCacheConfig, block_hashes
-from tiny_models import make_checkpoint, make_deepseek_checkpoint, make_gpt_oss_checkpoint
+from tiny_models import make_checkpoint
 
 BS = 4
 
@@ -102,15 +102,6 @@ def test_the_triton_kernel_reads_fp8_as_the_torch_backend(dtype, heads, kv_heads
 
 # -- tiny checkpoints: logprobs against the float32-KV run --
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    return {"mixtral": make_checkpoint(root / "mixtral", "mixtral"),
-            "qwen3_moe": make_checkpoint(root / "qwen3", "qwen3_moe"),
-            "deepseek_v3": make_deepseek_checkpoint(root / "ds3", 3),
-            "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss")}
-
-
 def _run(path, backend, kv_dtype):
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (50, 37, 9)]
@@ -141,9 +132,9 @@ BOUNDS = {"mixtral": (0.05, 0.35, 0.85), "qwen3_moe": (0.075, 1.0, 0.85), "deeps
 @pytest.mark.parametrize("model,backend", [("mixtral", "torch"), ("mixtral", "auto"), ("mixtral", "triton"),
                                            ("qwen3_moe", "auto"), ("gpt_oss", "torch"), ("gpt_oss", "triton"),
                                            ("deepseek_v3", "torch")])
-def test_logprobs_within_a_bound_of_the_float32_kv_run(ckpts, model, backend):
-    prompts, ref = _run(ckpts[model], backend, "auto")
-    _, got = _run(ckpts[model], backend, "fp8_e4m3")
+def test_logprobs_within_a_bound_of_the_float32_kv_run(four_archs, model, backend):
+    prompts, ref = _run(four_archs[model], backend, "auto")
+    _, got = _run(four_archs[model], backend, "fp8_e4m3")
     delta, same, scale = [], 0, 0.0
     for p, r, o in zip(prompts, ref, got):
         for j in range(1, len(p)):
@@ -162,22 +153,22 @@ def test_logprobs_within_a_bound_of_the_float32_kv_run(ckpts, model, backend):
     assert same >= share * len(delta)
 
 
-def test_attention_workers_get_the_kv_dtype(ckpts):
+def test_attention_workers_get_the_kv_dtype(four_archs):
     """A disaggregated deployment's attention worker builds the same FP8 cache: the same tokens."""
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(50, 60))}]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = []
     for kv, workers in (("fp8", 0), ("fp8", 1), ("auto", 1)):
-        with LLM(str(ckpts["mixtral"]), dtype="float32", kv_cache_dtype=kv, backend="torch", block_size=4,
+        with LLM(str(four_archs["mixtral"]), dtype="float32", kv_cache_dtype=kv, backend="torch", block_size=4,
                  num_kv_blocks=200, expert_workers=workers) as llm:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1] != outs[2]  # (this checkpoint's near-ties tell the two caches apart)
 
 
-def test_the_quality_report(ckpts):
+def test_the_quality_report(four_archs):
     from afdserve.bench.kv_quality import kv_quality, report
 
-    rows = {(r.reference, r.candidate): r for r in kv_quality(str(ckpts["qwen3_moe"]), 3, "torch",
+    rows = {(r.reference, r.candidate): r for r in kv_quality(str(four_archs["qwen3_moe"]), 3, "torch",
                                                               ("a held-out sentence", "and another one here"))}
     fp8, bf16 = rows["float32", "fp8"], rows["float32", "bfloat16"]
     assert fp8.positions == bf16.positions == 6

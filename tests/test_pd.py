@@ -13,21 +13,11 @@ from afdserve import LLM, SamplingParams
 from afdserve.config import EngineConfig
 from afdserve.errors import ConfigError
 from polling import wait_until
-from tiny_models import make_checkpoint, make_deepseek_checkpoint, make_gpt_oss_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 # chunks of 24 tokens over blocks of 16: a layer's transfer ends inside a block the next chunk fills
 COMMON = dict(dtype="float32", block_size=16, num_kv_blocks=96, max_num_batched_tokens=24, max_model_len=512)
 PD = dict(expert_workers=1, prefill_workers=1, decode_workers=1)
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pd")
-    return {"mixtral": make_checkpoint(root / "mixtral", "mixtral"),
-            "qwen3_moe": make_checkpoint(root / "qwen3", "qwen3_moe"),
-            "deepseek_v3": make_deepseek_checkpoint(root / "ds3", 3),
-            "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss")}
 
 
 def _prompts():
@@ -51,7 +41,7 @@ def _idle(llm) -> bool:
 
 @pytest.mark.parametrize("arch,kv", [("mixtral", "auto"), ("qwen3_moe", "auto"), ("deepseek_v3", "auto"),
                                      ("gpt_oss", "auto"), ("mixtral", "fp8_e4m3"), ("deepseek_v3", "fp8_e4m3")])
-def test_pd_matches_the_single_pool(ckpts, arch, kv):
+def test_pd_matches_the_single_pool(four_archs, arch, kv):
     """1 prefill + 1 decode attention worker give the colocated engine's greedy tokens (float32; with
     the fp8 cache its blocks and scales move as stored), also when the decode worker's prefix cache
     holds part of a prompt; every prompt's KV lands on the decode worker, and no block stays held."""
@@ -59,9 +49,9 @@ def test_pd_matches_the_single_pool(ckpts, arch, kv):
     # fp8 blocks are re-scaled where a chunk ends inside them, so they depend on the chunks: a budget
     # that prefills each batch in one step, as the single pool does (its decodes change its chunks)
     cfg = COMMON | dict(kv_cache_dtype=kv) | (dict(max_num_batched_tokens=256) if kv != "auto" else {})
-    with LLM(str(ckpts[arch]), **cfg) as llm:
+    with LLM(str(four_archs[arch]), **cfg) as llm:
         want = [_ids(llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)) for ps in (first, second)]
-    with LLM(str(ckpts[arch]), **cfg, **PD) as llm:
+    with LLM(str(four_archs[arch]), **cfg, **PD) as llm:
         got = [_ids(llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)) for ps in (first, second)]
         assert got == want
         st = llm.engine.worker_stats()
@@ -108,16 +98,16 @@ def _mid_prefill(o) -> bool:
 
 
 @pytest.mark.parametrize("victim", ["attention0", "attention1"])
-def test_a_worker_lost_mid_transfer_loses_no_request(ckpts, victim):
+def test_a_worker_lost_mid_transfer_loses_no_request(four_archs, victim):
     """kill -9 the prefill worker, or the decode worker, while a long prompt's KV is moving (and
     shorter requests decode): it is replaced, the requests start over or are recomputed, greedy
     outputs equal the fault-free run's, and no block stays held on either side."""
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 256) for _ in range(n)]} for n in (12, 20, 300)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with LLM(str(ckpts["mixtral"]), **COMMON) as llm:
+    with LLM(str(four_archs["mixtral"]), **COMMON) as llm:
         want = _ids(llm.generate(prompts, params))
-    with LLM(str(ckpts["mixtral"]), **COMMON, **PD) as llm:
+    with LLM(str(four_archs["mixtral"]), **COMMON, **PD) as llm:
         pid = llm.engine.workers[victim].pid
 
         def kill(o):
@@ -131,10 +121,10 @@ def test_a_worker_lost_mid_transfer_loses_no_request(ckpts, victim):
         assert _ids(llm.generate(prompts, params)) == want  # and serving goes on
 
 
-def test_an_abort_mid_transfer_frees_both_sides(ckpts):
+def test_an_abort_mid_transfer_frees_both_sides(four_archs):
     rng = random.Random(6)
     long = {"prompt_token_ids": [rng.randrange(3, 256) for _ in range(300)]}
-    with LLM(str(ckpts["mixtral"]), **COMMON, **PD) as llm:
+    with LLM(str(four_archs["mixtral"]), **COMMON, **PD) as llm:
         rid = llm.engine.add_request(long, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         deadline = time.monotonic() + 120
         while True:
@@ -148,10 +138,10 @@ def test_an_abort_mid_transfer_frees_both_sides(ckpts):
         assert len(_ids(llm.generate([short], GREEDY))[0]) == GREEDY.max_tokens
 
 
-def test_bench_pd_measures_the_transfer(ckpts):
+def test_bench_pd_measures_the_transfer(four_archs):
     """``afdserve bench pd``'s transfer measurement: the decode worker's record of one prompt."""
     from afdserve.bench.pd import report, transfer_tail
 
-    (t,) = transfer_tail(str(ckpts["mixtral"]), [200], budget=64)
+    (t,) = transfer_tail(str(four_archs["mixtral"]), [200], budget=64)
     assert t.tokens == 200 and t.prefill_s > 0 and t.tail_s > 0 and t.share < 1
     assert "| 200 |" in report([t], [])
