@@ -19,3 +19,12 @@ def wait_until(cond: Callable[[], object], timeout: float, interval: float = 0.0
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie is dead; the name in /proc's stat may hold spaces)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

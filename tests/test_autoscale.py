@@ -18,7 +18,7 @@ from afdserve.planner import AttentionCost, ExpertCost, Profile, save_profile
 from afdserve.planner.autoscale import AutoscaleConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
-from polling import wait_until
+from polling import alive, wait_until
 
 DEPLOYMENT = dict(num_kv_blocks=64, attention_workers=1, expert_workers=1, micro_batches=2)
 # 1 ms per output token: the tiny model on 2 CPU cores misses it at any batch, so a burst is over the SLO
@@ -28,14 +28,6 @@ MAX_TOKENS = 24
 
 def _prompt(i: int) -> list[int]:
     return [3 + i % 50, 7 + i % 13, 11, 5 + i % 7]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_bad_autoscaling_options_are_refused_before_workers_start(tiny_mixtral, tmp_path):
@@ -103,7 +95,7 @@ def test_step_load_grows_a_pool_and_shrinks_it_back(tiny_mixtral, tmp_path):
     finally:
         if os.environ.get("AFDSERVE_AUTOSCALE_TIMELINE") and timeline.exists():
             shutil.copy(timeline, os.environ["AFDSERVE_AUTOSCALE_TIMELINE"])
-    assert wait_until(lambda: not any(_alive(p) for p in pids), 30), "worker processes outlived the server"
+    assert wait_until(lambda: not any(alive(p) for p in pids), 30), "worker processes outlived the server"
     ups = m.get("afdserve_autoscale_decisions_total{action=up,pool=attention,reason=tpot_over_slo}", 0)
     downs = m.get("afdserve_autoscale_decisions_total{action=down,pool=attention,reason=underused}", 0)
     assert ups == 1 and downs == 1, {k: v for k, v in m.items() if "autoscale" in k}

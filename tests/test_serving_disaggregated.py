@@ -18,7 +18,7 @@ from afdserve.cli.main import main as cli
 from afdserve.config import EngineConfig
 from afdserve.serving.server import BackgroundServer, ServerOptions, build_app
 
-from polling import wait_until
+from polling import alive, wait_until
 
 MODEL = "tiny"
 DEPLOYMENT = dict(num_kv_blocks=64, attention_workers=1, expert_workers=2, micro_batches=2)
@@ -37,17 +37,9 @@ def deployment(tiny_mixtral):
     yield url, cluster
     server.stop()
     pids = [w.pid for w in cluster.workers.values()]
-    wait_until(lambda: not any(_alive(p) for p in pids), 60.0)  # the shutdown joins them: at once
-    assert not any(_alive(p) for p in pids), "worker processes outlived the server"
+    wait_until(lambda: not any(alive(p) for p in pids), 60.0)  # the shutdown joins them: at once
+    assert not any(alive(p) for p in pids), "worker processes outlived the server"
     assert not stray_segments(set()), "shared-memory segments left behind"
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _live_pids(cluster):
