@@ -340,8 +340,8 @@ def main() -> int:
                 if sel:
                     errs = [abs(r[mode][key]) for r in sel]
                     print(f"{mode:>8} {label:>9} {name:>13}: {len(sel)} deployments, mean |error| "
-                          f"{statistics.mean(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, within 15%: "
-                          f"{sum(e <= 0.15 for e in errs)}/{len(sel)}, within 5%: {sum(e <= 0.05 for e in errs)}/{len(sel)}")
+                          f"{statistics.mean(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, within 20/15/10/5%: "
+                          + "/".join(str(sum(e <= x for e in errs)) for x in (0.20, 0.15, 0.10, 0.05)) + f" of {len(sel)}")
     load1 = os.getloadavg()
     print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; {time.perf_counter() - t0:.0f} s")
     report = {"profile": str(args.profile or args.profile_out), "device": prof.device, "cores": cores,
