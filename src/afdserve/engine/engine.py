@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from afdserve.backends.step import StepLayout
+from afdserve.engine.cp import CPShard, CPStep, cp_layout, extended_rows
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import ModelInput, ModelOutput, Runner
 from afdserve.engine.sampler import SamplingInputs, plain_greedy, rows_logprobs, sample
@@ -79,19 +80,29 @@ class Engine:
         self.last_step = StepStats()
         self.grammars = grammars
         self._reported: set[str] = set()  # requests whose first output (with num_cached_tokens) is out
+        self.cp_steps = 0  # context-parallel prefill steps computed here
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None, cp: CPShard | None = None) -> None:
         """Queues a validated prompt (``afdserve.engine.prompt.validate_prompt``). ``output_token_ids``:
         tokens a request already generated elsewhere (a re-admitted request): recomputed with the
-        prompt, then counted as output (max_tokens, penalties, its grammar)."""
+        prompt, then counted as output (max_tokens, penalties, its grammar). ``cp``: this worker's part
+        of the prompt's context-parallel prefill (``afdserve.engine.cp``; a helper rank's request
+        computes its part and is done, silently)."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         if output_token_ids and params.prompt_logprobs is not None:
             params = replace(params, prompt_logprobs=None)  # reported with the first token already
+        if cp is not None:
+            if output_token_ids:
+                raise RequestError("a context-parallel prefill is of a prompt only")
+            try:
+                cp.check(len(prompt_token_ids))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival=time.monotonic(),
-                       output_token_ids=list(output_token_ids or []))
-        if params.structured_outputs is not None:
+                       output_token_ids=list(output_token_ids or []), cp=cp)
+        if params.structured_outputs is not None and (cp is None or cp.owner):
             if self.grammars is None:
                 raise RequestError("structured outputs need the tokenizer on the worker that samples")
             self.grammars.add(seq)  # compiles (cached) or raises RequestError
@@ -159,6 +170,9 @@ class Engine:
         only sequences not in another step in flight, about a ``lanes``-th of the running ones, within a
         ``lanes``-th of the token budget. None when nothing can run now."""
         t0 = time.perf_counter()
+        batch = self.scheduler.schedule_cp()  # first: the other ranks of its group wait for it
+        if batch is not None:
+            return self._begin_cp(batch, t0)
         batch = self.scheduler.schedule(lanes)
         if not batch:
             if lanes == 1:
@@ -193,11 +207,44 @@ class Engine:
         inp = ModelInput(np.array(input_ids, dtype=np.int64), layout, rows if order is None else rows[order], greedy)
         return StepInputs(batch, inp, order, sampled, prompt_rows, partial, t0)
 
+    def _begin_cp(self, batch, t0: float) -> StepInputs:
+        """A context-parallel prefill step: this rank's pieces of the prompt (``afdserve.engine.cp``).
+        The owner samples the prompt's last row and reads prompt logprobs from the extended rows."""
+        seq = batch.seqs[0]
+        shard: CPShard = seq.cp
+        table = self.blocks.block_table(seq.seq_id) if shard.owner else []
+        layout, slots = cp_layout(shard, table, self.blocks.block_size)
+        pos = shard.positions()
+        ids = np.asarray(seq.prompt_token_ids, dtype=np.int64)[pos]
+        hidden = seq.params.prompt_logprobs is not None
+        sampled, prompt_rows = [], []
+        if shard.owner:
+            n = len(seq.prompt_token_ids)
+            sampled.append((seq, int(np.flatnonzero(pos == n - 1)[0])))
+            if hidden:
+                row_of = np.empty(n, dtype=np.int64)
+                ext = extended_rows(shard, True)
+                row_of[ext] = np.arange(ext.shape[0])
+                prompt_rows = [(seq, int(row_of[p]), p + 1) for p in range(n - 1)]
+        rows = np.array([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=np.int64)
+        order = np.argsort(rows, kind="stable") if prompt_rows else None
+        greedy = bool(sampled) and not prompt_rows and plain_greedy(seq)
+        inp = ModelInput(ids, layout, rows if order is None else rows[order], greedy, CPStep(shard, slots, hidden))
+        return StepInputs(batch, inp, order, sampled, prompt_rows, [], t0)
+
     def finish(self, s: StepInputs, out: ModelOutput) -> list[TokenOutput]:
         """The step ``s`` was computed (the logits of its rows, or for a greedy step the token ids
         they choose): advances its sequences, samples, applies the stop conditions; returns the
         outputs."""
         batch, sampled, prompt_rows = s.batch, s.sampled, s.prompt_rows
+        self.cp_steps += batch.cp
+        if batch.cp and not batch.seqs[0].cp.owner:  # a helper's part is done: nothing to report
+            seq = batch.seqs[0]
+            if not seq.finished:
+                self._finish(seq)
+            self.scheduler.advance(batch)
+            self.last_step = StepStats(1, s.model_input.layout.num_tokens, 0, time.perf_counter() - s.t0)
+            return []
         chosen = out.token_ids is not None
         logits = out.token_ids if chosen else out.logits
         if s.order is not None:

@@ -13,8 +13,10 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from afdserve.backends.base import Ring
 from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
 from afdserve.balance.load import LoadTracker
+from afdserve.engine.cp import CPStep
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.model import AttentionModel, ExpertModel
 
@@ -32,6 +34,7 @@ class ModelInput:
     layout: StepLayout
     rows: np.ndarray  # int64 [R]
     greedy: bool = False
+    cp: "CPStep | None" = None  # a context-parallel prefill step's part (``afdserve.engine.cp``)
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,15 @@ class Runner(Protocol):
     def forward(self, inp: ModelInput) -> ModelOutput: ...
 
 
-def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers) -> tuple[AttnContext, torch.Tensor,
-                                                                                  torch.Tensor]:
-    """The step's context, token ids and rows on the model's device, staged through ``buffers``."""
+def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers,
+          ring: Ring | None = None) -> tuple[AttnContext, torch.Tensor, torch.Tensor]:
+    """The step's context, token ids and rows on the model's device, staged through ``buffers`` (a
+    context-parallel step's with its ``ring``: ``AttentionModel.cp_context``)."""
     buffers.begin()
-    ctx = model.context(inp.layout, buffers)
+    if inp.cp is not None:
+        ctx = model.cp_context(inp.layout, buffers, ring, inp.cp.shard.owner, inp.cp.rank_slots)
+    else:
+        ctx = model.context(inp.layout, buffers)
     ids, rows = buffers.stage("input_ids", inp.input_ids), buffers.stage("rows", inp.rows)
     buffers.end()
     return ctx, ids, rows

@@ -10,6 +10,11 @@ With prefix caching, a waiting sequence starts with the longest chain of cached 
 tokens (``afdserve.kvcache.block_manager``), capped so that at least one token is computed (for its
 logits) and, for a request asking for prompt logprobs, so that no logprob it still needs is skipped.
 After each step the blocks filled by it are registered, so a preempted sequence's blocks stay cached.
+
+A sequence with a part in a context-parallel prefill (``seq.cp``, ``afdserve.engine.cp``) waits in a
+queue of its own and runs in a step of its own (``schedule_cp``), one at a time, in the order of
+the front end's handles (every rank of its group runs them in that order): the owner allocates the
+whole prompt's blocks first; after the step it decodes as any other sequence (a helper is done).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class Batch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
     preempted: list[Sequence] = field(default_factory=list)
+    cp: bool = False  # a context-parallel prefill step (its one sequence's part of the prompt)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -49,13 +55,38 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.in_flight: set[int] = set()  # seq_ids in a scheduled step not advanced yet
         self._free_after: list[Sequence] = []  # finished while in flight: blocks freed when the step lands
+        self.cp_queue: list[Sequence] = []  # context-parallel prefills to run, by handle
+        self.cp_busy: Sequence | None = None  # the one in a step in flight
 
     def add(self, seq: Sequence) -> None:
+        if seq.cp is not None:
+            self.cp_queue.append(seq)
+            self.cp_queue.sort(key=lambda s: s.cp.handle)
+            return
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.cp_queue or self.cp_busy)
+
+    def schedule_cp(self) -> Batch | None:
+        """The next context-parallel prefill's step (the lowest handle), unless one is in flight or
+        its owner's blocks are not free yet (the other ranks wait for it meanwhile)."""
+        if self.cp_busy is not None or not self.cp_queue:
+            return None
+        seq = self.cp_queue[0]
+        n = seq.num_tokens
+        if seq.cp.owner and seq.seq_id not in self.blocks.tables:
+            if not self.blocks.can_admit(PrefixHit(), n):
+                return None
+            self.blocks.acquire(seq.seq_id, PrefixHit(), n)
+            self.blocks.reserve(seq.seq_id, n)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = 0
+        self.cp_queue.pop(0)
+        self.cp_busy = seq
+        self.in_flight.add(seq.seq_id)
+        return Batch([seq], [n - seq.num_computed], cp=True)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence and frees its blocks (once no step in flight
@@ -65,6 +96,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.cp_queue:
+            self.cp_queue.remove(seq)
         if seq.seq_id in self.in_flight:
             self._free_after.append(seq)
         else:
@@ -148,6 +181,9 @@ class Scheduler:
             if seq.status is Status.FINISHED:  # aborted while the step was in flight
                 continue
             seq.num_computed += n
+            if batch.cp:  # the owner's prompt is whole: it decodes from now on
+                seq.status = Status.RUNNING
+                self.running.append(seq)
             if caching and (n > 1 or seq.num_computed % bs == 0):
                 self.blocks.commit(seq.seq_id, self._keys(seq), seq.num_computed)
         self.land(batch)
@@ -155,6 +191,11 @@ class Scheduler:
     def land(self, batch: Batch) -> None:
         """The batch's step is over (advanced, or abandoned): its sequences are free to be scheduled,
         those finished meanwhile give their blocks back."""
+        if batch.cp:
+            seq = self.cp_busy
+            self.cp_busy = None
+            if seq is not None and seq.status is Status.WAITING:  # not computed: it runs again (its blocks kept)
+                self.cp_queue.insert(0, seq)
         if not self.in_flight:
             return
         for seq in batch.seqs:

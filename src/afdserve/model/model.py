@@ -11,11 +11,14 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from afdserve.backends import Backends
-from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
+from afdserve.backends.base import Ring
+from afdserve.backends.pytorch.cp_half import cp_attention, cp_latent
+from afdserve.backends.step import AttnContext, CPContext, StepBuffers, StepLayout
 from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttentionPart
@@ -87,6 +90,17 @@ class AttentionModel(nn.Module):
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
         return ctx
 
+    def cp_context(self, layout: StepLayout, buffers: StepBuffers, ring: Ring, owner: bool,
+                   rank_slots: dict[int, np.ndarray]) -> CPContext:
+        """A context-parallel prefill step's context (``afdserve.engine.cp``): its positions, the
+        owner's cache slots (its own and, by rank, the other ranks'), the rotary tables and the ring."""
+        stage = buffers.stage
+        ctx = CPContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
+                        layout.num_tokens, False, first_rows=stage("first_rows", layout.first_rows), ring=ring,
+                        owner=owner, rank_slots={r: stage(f"cp_slots{r}", s) for r, s in rank_slots.items()})
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
+        return ctx
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
 
@@ -95,7 +109,12 @@ class AttentionModel(nn.Module):
         """Attention half of a layer: returns (h, y, topk_ids, topk_weights); ids and weights are
         None for a dense layer (``cfg.is_moe(layer)`` false: nothing to dispatch)."""
         part, logits = self.attn[layer], None
-        if isinstance(part, MLAPart):
+        if isinstance(ctx, CPContext):  # a context-parallel prefill step: attention around the ring
+            if isinstance(part, MLAPart):
+                h, y = cp_latent(part, x, ctx, kv.latent(layer))
+            else:
+                h, y, logits = cp_attention(part, x, ctx, kv.keys(layer), kv.values(layer))
+        elif isinstance(part, MLAPart):
             h, y = part(x, ctx, kv.latent(layer))
         elif ctx.is_decode:
             h, y, logits = self._decode_half(part.half, x, ctx, kv.keys(layer), kv.values(layer))

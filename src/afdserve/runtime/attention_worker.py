@@ -18,6 +18,7 @@ from afdserve.kvcache.prefix import PrefixCacheStats
 from afdserve.model.config import ModelConfig
 from afdserve.model.loader import CheckpointReader
 from afdserve.runtime.control import ControlChannel
+from afdserve.runtime.cp import CPLinks
 from afdserve.runtime.links import Links, PeerFailure, regroup
 from afdserve.runtime.kv_transfer import KVReceiver, PrefillRunner, chunk_blocks, kv_links, pd_role
 from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, AddRequests, AdoptKV, AttentionStats, GetStats,
@@ -66,6 +67,10 @@ class AttentionWorker:
         self.held: list[ToWorker] = []  # control messages waiting for no step in flight
         self.lanes = Lanes(self.engine, self.runner, self.tracer, self._emit)
         self._ctl: ControlChannel | None = None
+        self.model_cfg = model_cfg
+        self.backlog: list[ToWorker] = []  # control messages read during a CP wait, for the loop
+        self.cp = CPLinks(spec, model_cfg, self._cp_interrupted) if cfg.context_parallel_size > 1 else None
+        self.runner.cp = self.cp
 
     def serve(self, ctl: ControlChannel) -> None:
         eng, lanes = self.engine, self.lanes
@@ -75,9 +80,9 @@ class AttentionWorker:
             t0 = time.time_ns()
             rx = self.receiver  # a decode worker waits for KV blocks rather than control messages
             expecting = rx is not None and rx.expecting
-            if (idle or ctl.due()) and ctl.poll(0.05 if idle and not expecting else 0):
+            if self.backlog or ((idle or ctl.due()) and ctl.poll(0.05 if idle and not expecting else 0)):
                 while True:
-                    msg = ctl.recv()
+                    msg = self.backlog.pop(0) if self.backlog else ctl.recv()
                     if isinstance(msg, Shutdown):
                         lanes.abandon()
                         eng.close()  # the prefix cache's disk tier keeps its blocks for the next start
@@ -86,7 +91,7 @@ class AttentionWorker:
                         self.held.append(msg)  # applied once no step is in flight
                     else:
                         self._control(msg, ctl)
-                    if not ctl.poll(0):
+                    if not self.backlog and not ctl.poll(0):
                         break
             if self.held and not lanes.busy:
                 held, self.held = self.held, []
@@ -110,6 +115,19 @@ class AttentionWorker:
                 self.waiting_for_regroup = True
                 ctl.send(PeerLost(self.spec.name, e.peer, str(e), self.epoch))
 
+    def _cp_interrupted(self, handle: int) -> bool:
+        """While a CP step waits for its peers: reads the control channel (aborts are applied now, the
+        rest waits for the loop) and says whether the step's request is gone."""
+        ctl = self._ctl
+        while ctl is not None and ctl.poll(0):
+            msg = ctl.recv()
+            if isinstance(msg, AbortRequests):
+                self._control(msg, ctl)
+            else:
+                self.backlog.append(msg)
+        seq = self.engine.scheduler.cp_busy
+        return seq is None or seq.finished or seq.cp.handle != handle
+
     def _reserved(self, replies: list[KVReserved]) -> None:
         for r in replies:
             self._ctl.send(KVReserved(self.spec.name, r.request_id, r.handle, r.skip_blocks, r.attempt))
@@ -127,7 +145,7 @@ class AttentionWorker:
             failed = []
             for r in msg.requests if isinstance(msg, AddRequests) else [msg]:
                 try:
-                    self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.output_token_ids)
+                    self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.output_token_ids, r.cp)
                     if r.kv is not None:  # a prefill worker's: its KV goes to the decode worker
                         self.runner.add(r.request_id, r.kv)
                 except Exception as e:  # validated by the front end already; report anyway
@@ -162,6 +180,10 @@ class AttentionWorker:
             self.peers = [worker_name("expert", j) for j in range(msg.expert_workers)]
             self.links = self.runner.links = regroup(self.links, self.spec, self.peers, msg, ctl, msg.missing,
                                                        self.hooks.spin_yield)
+            if self.cp is not None:  # the CP links anew, after the expert links (the same order everywhere)
+                self.cp.close()
+                self.cp = self.runner.cp = CPLinks(self.spec, self.model_cfg, self._cp_interrupted, msg.group,
+                                                        msg.attention_workers)
             if self.kv_comm is not None:  # the KV links anew too, after the expert links (the same order everywhere)
                 self.kv_comm.close()
                 self.kv_comm = kv_links(self.spec, self.kv, msg.group)
@@ -182,7 +204,8 @@ class AttentionWorker:
         per_worker, (lost, over, second) = self.runner.counts()
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, per_worker,
-                              load, transports or {}, prefix, lost, over, second, *self._kv_stats(asked))
+                              load, transports or {}, prefix, lost, over, second, *self._kv_stats(asked),
+                              eng.cp_steps)
 
     def _kv_stats(self, asked: bool) -> tuple[list, int]:
         """A decode worker's transfers since the last ``GetStats`` and the blocks it holds reserved."""
@@ -196,6 +219,8 @@ class AttentionWorker:
 
     def close(self) -> None:
         self.links.close()
+        if self.cp is not None:
+            self.cp.close()
         if self.kv_comm is not None:
             self.kv_comm.close()
 

@@ -11,6 +11,11 @@ tensors are views of the receiver's registered slot until ``release``. Kinds:
 * ``KV_BLOCKS`` (prefill attention worker -> decode attention worker, on the KV links of
   ``runtime/kv_transfer.py``): one layer's KV of ``n`` consecutive blocks of a prompt, as stored
   (keys and values or the latent [n, block_size, ...], then fp8 scales [n, heads]).
+* ``CP_KV`` (attention -> attention, on the CP links of ``runtime/cp.py``): one layer's KV of a
+  context-parallel prefill rank's pieces (keys and values [n, kv_heads, D], or the latent [n, D]),
+  with their positions [n] int64, passed around the ring.
+* ``CP_HIDDEN`` (helper rank -> owner, on the CP links): a rank's final hidden states [n, H] (the
+  owner's LM head reads them for prompt logprobs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class Kind(IntEnum):
     EXPERT_INPUT = 1
     EXPERT_OUTPUT = 2
     KV_BLOCKS = 3
+    CP_KV = 4
+    CP_HIDDEN = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +111,61 @@ class KVBlocks:
     def release(self) -> None:
         if self.message is not None:
             self.message.release()
+
+
+@dataclass(slots=True)
+class RingKV:
+    """CP prefill ``handle``'s KV of ``layer`` computed by rank ``origin``: ``parts`` (keys and values,
+    or the latent) and their ``positions``."""
+
+    handle: int
+    layer: int
+    origin: int
+    parts: list[torch.Tensor]
+    positions: torch.Tensor
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        return Meta(step=self.handle, layer=self.layer, num_tokens=int(self.positions.shape[0]), ints=(self.origin,),
+                    kind=Kind.CP_KV)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.parts, self.positions]
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
+@dataclass(slots=True)
+class CPHidden:
+    """CP prefill ``handle``'s final hidden states of rank ``origin``'s positions (piece order)."""
+
+    handle: int
+    origin: int
+    hidden: torch.Tensor
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        return Meta(step=self.handle, num_tokens=int(self.hidden.shape[0]), ints=(self.origin,), kind=Kind.CP_HIDDEN)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden]
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
+def read_cp(msg: Message) -> RingKV | CPHidden:
+    """The typed message of the CP links a received message holds (views of the slot until ``release``)."""
+    m, t = msg.meta, msg.tensors
+    if m.kind == Kind.CP_KV and len(t) in (2, 3) and len(m.ints) == 1:
+        return RingKV(m.step, m.layer, m.ints[0], list(t[:-1]), t[-1], msg)
+    if m.kind == Kind.CP_HIDDEN and len(t) == 1 and len(m.ints) == 1:
+        return CPHidden(m.step, m.ints[0], t[0], msg)
+    msg.release()
+    raise ValueError(f"message from {msg.peer!r} of kind {m.kind} on the CP links is not CP KV or hidden states")
 
 
 def read_kv(msg: Message) -> KVBlocks:

@@ -19,6 +19,7 @@ import torch
 
 from afdserve.engine.engine import Engine, StepInputs
 from afdserve.engine.outputs import TokenOutput
+from afdserve.runtime.cp import CPAborted
 from afdserve.runtime.pipeline import Dispatch, PipelinedRunner
 from afdserve.runtime.trace import Span, Tracer
 
@@ -111,6 +112,11 @@ class Lanes:
         task.waiting = None
         try:
             waits = task.run.send(None)
+        except CPAborted:  # a context-parallel prefill's request was aborted mid-step: the step is dropped
+            del self.tasks[lane]
+            self.engine.cancel(task.step)
+            self.nothing_to_begin = False
+            return
         except StopIteration:
             del self.tasks[lane]
             self.nothing_to_begin = False

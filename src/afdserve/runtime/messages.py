@@ -20,6 +20,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Union
 
+from afdserve.engine.cp import CPShard
 from afdserve.config import EngineConfig
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class AddRequest:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
     kv: KVTarget | None = None  # a prefill worker's request: its KV goes there as it is computed
+    cp: CPShard | None = None  # this worker's part of the prompt's context-parallel prefill
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class AttentionStats:
     second_pass_rows: int = 0  # token rows sent in a second pass since the last stats (over capacity)
     kv_landed: list[KVLanded] = field(default_factory=list)  # a decode worker's transfers since the last GetStats
     kv_reserved: int = 0  # a decode worker's blocks held for transfers (reserved, not adopted yet)
+    cp_steps: int = 0  # context-parallel prefill steps this worker ran (its part of a split prompt)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from afdserve.engine.scheduler import Batch
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.model import AttentionModel
 from afdserve.runtime.data_plane import ExpertInput, ExpertOutput, LayerKey, read
+from afdserve.runtime.cp import CPLinks
 from afdserve.runtime.dispatch import Capacity, Dispatcher
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import Links
@@ -82,6 +83,7 @@ class PipelinedRunner:
         # different lanes out of order (it merges the same layer's tokens)
         self._expect: dict[int, dict[LayerKey, tuple[Dispatch, Part]]] = {}
         self._buffers: dict[int, StepBuffers] = {}  # per lane: its step's staged inputs
+        self.cp: CPLinks | None = None  # the links of context-parallel prefills (``runtime/cp.py``)
 
     def set_map(self, version: int, expert_map: ExpertMap, missing: tuple[int, ...] = ()) -> None:
         """Switches the expert map (between steps: nothing is in flight then). With ``missing``
@@ -190,7 +192,8 @@ class PipelinedRunner:
         buffers = self._buffers.get(lane)
         if buffers is None:
             buffers = self._buffers[lane] = StepBuffers(m.device)
-        ctx, ids, rows = stage(m, inp, buffers)
+        ring = self.cp.ring(inp.cp.shard) if inp.cp is not None else None  # a CP prefill step's
+        ctx, ids, rows = stage(m, inp, buffers, ring)
         x = m.embed_tokens(ids)
         for layer in range(m.cfg.num_layers):
             with tr.span("attention", mb=lane, layer=layer, tokens=ctx.num_tokens):
@@ -200,6 +203,11 @@ class PipelinedRunner:
             if d.parts:
                 yield d
             x = self.combine(d)
+        if ring is not None and inp.cp.hidden:  # prompt logprobs: the owner's LM head reads every rank's rows
+            if inp.cp.shard.owner:
+                x = torch.cat([x, *(h.to(x.device) for h in ring.hidden())])
+            else:
+                ring.send_hidden(x)
         with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
             return head(m, x[rows], inp.greedy)
 

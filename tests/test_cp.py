@@ -1,0 +1,60 @@
+"""Context-parallel prefill (``--context-parallel-size``): a long prompt split over two attention
+workers (zigzag), its attention passed around the ring, its KV gathered at the owner, gives the
+same greedy continuation and prompt logprobs as the prompt prefilled on one worker."""
+
+import random
+
+import pytest
+
+from afdserve import LLM, SamplingParams
+from polling import wait_until
+from tiny_models import make_checkpoint, make_deepseek_checkpoint, make_gpt_oss_checkpoint
+
+LONG = 16384  # the issue's prompt length
+POSITIONS = LONG + 64
+
+
+@pytest.fixture(scope="module")
+def long_archs(tmp_path_factory):
+    """Tiny checkpoints whose context holds a 16k-token prompt."""
+    root = tmp_path_factory.mktemp("cp_archs")
+    return {"mixtral": make_checkpoint(root / "mixtral", "mixtral", max_position_embeddings=POSITIONS),
+            "qwen3_moe": make_checkpoint(root / "qwen3", "qwen3_moe", max_position_embeddings=POSITIONS),
+            "deepseek_v3": make_deepseek_checkpoint(root / "ds3", 3, max_position_embeddings=POSITIONS),
+            "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss", max_position_embeddings=POSITIONS)}
+
+
+def _deployment(path, cp: int, **over):
+    # a CP shard runs in one step: the budget holds half the long prompt; the cache holds it whole
+    cfg = dict(dtype="float32", attention_workers=2, expert_workers=1, block_size=16, num_kv_blocks=LONG // 16 + 64,
+               max_num_batched_tokens=LONG // 2, max_model_len=POSITIONS, context_parallel_size=cp,
+               cp_min_tokens=1024)
+    return LLM(str(path), **(cfg | over))
+
+
+def _cp_steps(llm) -> int:
+    return sum(s.cp_steps for n, s in llm.engine.worker_stats().items() if n.startswith("attention"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_cp2_matches_cp1(long_archs, arch):
+    """A 16k-token prompt (with prompt logprobs) and a short one beside it: CP = 2 gives CP = 1's
+    greedy tokens and prompt logprobs within 1e-4; both ranks ran the long prompt's step."""
+    rng = random.Random(7)
+    long = [rng.randrange(3, 250) for _ in range(LONG)]
+    short = [rng.randrange(3, 250) for _ in range(40)]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": long}, {"prompt_token_ids": short}]
+    with _deployment(long_archs[arch], 1) as llm:
+        want = llm.generate(prompts, params)
+    with _deployment(long_archs[arch], 2) as llm:
+        got = llm.generate(prompts, params)
+        assert _cp_steps(llm) == 2  # the long prompt's step on each rank; the short one was not split
+        assert wait_until(lambda: all(s.kv_usage == 0 for n, s in llm.engine.worker_stats().items()
+                                      if n.startswith("attention")), 10)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    lp_want, lp_got = want[0].prompt_logprobs, got[0].prompt_logprobs
+    assert len(lp_got) == len(lp_want) == LONG
+    worst = max(abs(lp_got[j][long[j]].logprob - lp_want[j][long[j]].logprob) for j in range(1, LONG))
+    assert worst < 1e-4, worst
