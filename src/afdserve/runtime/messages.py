@@ -67,12 +67,23 @@ class KVTarget:
 
 
 @dataclass(frozen=True)
+class CPShard:
+    """Context-parallel prefill: this worker's share of a prompt split over ``ranks`` (attention
+    worker indices; ranks[0] owns the request: it holds every block after the prefill and decodes)."""
+    handle: int                       # the front end's CP prefill number, increasing: every rank runs its CP prefills in this order
+    rank: int                         # this worker's index in ranks
+    ranks: tuple[int, ...]
+    pieces: tuple[tuple[tuple[int, int], ...], ...]   # every rank's pieces (zigzag), positions [start, end)
+
+
+@dataclass(frozen=True)
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
     kv: KVTarget | None = None  # a prefill worker's request: its KV goes there as it is computed
+    cp: CPShard | None = None  # a context-parallel prefill's share (a helper rank, rank > 0, emits no outputs)
 
 
 @dataclass(frozen=True)
