@@ -131,6 +131,12 @@ class EngineConfig:
     # attention worker does both (attention_workers of them)
     prefill_workers: int = 0
     decode_workers: int = 0
+    # context-parallel prefill (afdserve.cluster.cp): a prompt of at least cp_min_tokens tokens is split
+    # over context_parallel_size attention workers (zigzag, afdserve.kvcache.cp_split), each computing
+    # its share in one step while a ring passes the KV; the first then holds the whole prompt and
+    # decodes it. Only where every share fits max_num_batched_tokens; 1: off
+    context_parallel_size: int = 1
+    cp_min_tokens: int = 4096
     micro_batches: int = 1
     gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
     expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
@@ -185,6 +191,13 @@ class EngineConfig:
             check("expert_workers", self.expert_workers >= 1,
                   "prefill/decode disaggregation runs on a disaggregated deployment: needs expert_workers >= 1")
             self.attention_workers = pd
+        check("context_parallel_size", is_int(self.context_parallel_size) and self.context_parallel_size >= 1,
+              "must be an integer >= 1")
+        check("context_parallel_size",
+              self.context_parallel_size == 1 or not (self.prefill_workers or self.decode_workers),
+              "context-parallel prefill does not run with prefill/decode disaggregation in this version: "
+              "leave context_parallel_size at 1 or prefill_workers and decode_workers at 0")
+        check("cp_min_tokens", is_int(self.cp_min_tokens) and self.cp_min_tokens >= 2, "must be an integer >= 2")
         check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
               "must be an integer >= 2")
         check("kv_cache_gb", isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0, "must be > 0")
@@ -244,6 +257,10 @@ class EngineConfig:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_workers(self) -> None:
+        if self.context_parallel_size > self.attention_workers:
+            raise ConfigError(f"invalid context_parallel_size={self.context_parallel_size}: a prompt is split over "
+                              f"that many attention workers: must be in 1..attention_workers "
+                              f"({self.attention_workers})")
         if self.cluster == "ray" and self.expert_workers < 1:
             raise ConfigError(f"invalid expert_workers={self.expert_workers}: cluster='ray' runs attention and "
                               "expert workers as Ray actors: needs expert_workers >= 1")

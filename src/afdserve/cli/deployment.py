@@ -55,6 +55,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--decode-workers; the attention workers are then their sum)")
     d.add_argument("--decode-workers", type=int, default=0, metavar="M",
                    help="... and M decode them after their first token, the KV moving layer by layer")
+    d.add_argument("--context-parallel-size", type=int, default=1, metavar="N",
+                   help="context-parallel prefill: a long prompt (--cp-min-tokens) is split over N attention "
+                        "workers, each computing its share in one step while a ring passes the KV; the first then "
+                        "holds the whole prompt's KV and decodes it (N <= --attention-workers; not with "
+                        "--prefill-workers; default 1: off)")
+    d.add_argument("--cp-min-tokens", type=int, default=4096, metavar="T",
+                   help="with --context-parallel-size N > 1: prompts of at least T tokens go context parallel, "
+                        "where every worker's share fits --max-num-batched-tokens (others prefill in chunks on "
+                        "one worker, as usual)")
     d.add_argument("--micro-batches", type=int, default=1, help="micro-batches of the ping-pong pipeline")
     d.add_argument("--gate", default="attention", choices=["attention", "expert"],
                    help="where the router runs: attention side (MegaScale-Infer) or expert side (JANUS)")
@@ -104,6 +113,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               prefix_cache_disk_gb=args.prefix_cache_disk_gb,
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               prefill_workers=getattr(args, "prefill_workers", 0), decode_workers=getattr(args, "decode_workers", 0),
+              context_parallel_size=getattr(args, "context_parallel_size", 1),
+              cp_min_tokens=getattr(args, "cp_min_tokens", 4096),
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),

@@ -108,6 +108,9 @@ def autoscale_config(args: argparse.Namespace) -> "AutoscaleConfig | None":
         if not lo <= start[pool] <= hi:
             raise ConfigError(f"the {pool} pool starts at {start[pool]} workers, outside --autoscale-{pool} "
                               f"{lo}:{hi}")
+    if lo_hi["attention"][0] < (cp := getattr(args, "context_parallel_size", 1)):
+        raise ConfigError(f"--autoscale-attention {lo_hi['attention'][0]}:{lo_hi['attention'][1]} would go below "
+                          f"--context-parallel-size {cp}")
     return AutoscaleConfig.from_bounds(lo_hi["attention"], lo_hi["experts"], slo_tpot_s=args.slo_tpot_ms / 1e3,
                                        slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
                                        window_s=args.autoscale_window, cooldown_s=args.autoscale_cooldown)

@@ -25,6 +25,7 @@ from afdserve.balance.placement import Placement
 from afdserve.cluster.prefix_routing import PrefixRecord, place, record_capacity
 from afdserve.cluster import rebalance, resize
 from afdserve.cluster.process_launcher import start_store
+from afdserve.cluster.cp import CPRouter
 from afdserve.cluster.pd import PDRouter
 from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST, CrashCounts, Heartbeats, Membership, serve_around
 from afdserve.cluster.worker_stats import ClusterStats
@@ -91,6 +92,7 @@ class ClusterClient(FrontEnd):
                                    record_capacity(cfg, self.model_cfg, self.max_model_len)) \
             if prefix is not None else None  # (one attention worker: kept for a resize that adds more)
         self.pd = PDRouter(self) if cfg.prefill_workers else None  # prefill/decode disaggregation
+        self.cp = CPRouter(self) if cfg.context_parallel_size > 1 else None  # context-parallel prefill (not with P/D)
         self.stats_view = ClusterStats(self.attention, self.experts, cfg.num_threads or 1)
         self._held: list[TokenOutput] = []  # outputs that arrived during a control call
         self._closed = False
@@ -157,10 +159,10 @@ class ClusterClient(FrontEnd):
             for rid, ids, params in requests:
                 if self.pd is not None:  # to a prefill worker once a decode worker holds its blocks
                     self.pd.submit(rid, ids, params)
-                    continue
-                target = place(self.balancer, self.routes, rid, ids, params.max_tokens, len(self.attention) > 1)
-                self.owner[rid], self.lengths[rid], self.requests[rid] = target, len(ids), (ids, params)
-                adds.setdefault(target, []).append(AddRequest(rid, ids, params))
+                elif self.cp is None or not self.cp.submit(rid, ids, params, adds):  # CP: to several workers
+                    target = place(self.balancer, self.routes, rid, ids, params.max_tokens, len(self.attention) > 1)
+                    self.owner[rid], self.lengths[rid], self.requests[rid] = target, len(ids), (ids, params)
+                    adds.setdefault(target, []).append(AddRequest(rid, ids, params))
             for target, batch in adds.items():
                 for part in (batch[i:i + ADDS_PER_MESSAGE] for i in range(0, len(batch), ADDS_PER_MESSAGE)):
                     self.workers[target].send(part[0] if len(part) == 1 else AddRequests(part))
@@ -199,8 +201,8 @@ class ClusterClient(FrontEnd):
         target = self.owner.pop(request_id, None)
         self.lengths.pop(request_id, None)
         self.requests.pop(request_id, None)
-        if self.pd is not None:
-            self.pd.forget(request_id)
+        if (router := self.pd or self.cp) is not None:  # what the request holds on other workers
+            router.forget(request_id)
         if target is not None:
             self.balancer.remove(target, request_id)
         return target
@@ -212,7 +214,7 @@ class ClusterClient(FrontEnd):
             return self._lost(name, f"{self._who(name)} died ({w.exit_status()})")
         if isinstance(msg, StepOutputs):
             self.stats_view.on_step(name, msg.stats)
-            outs = msg.outputs if self.pd is None else self.pd.outputs(name, msg.outputs)
+            outs = msg.outputs if (router := self.pd or self.cp) is None else router.outputs(name, msg.outputs)
             for o in outs:
                 if o.finished:
                     self._release(o.request_id)
@@ -274,7 +276,7 @@ class ClusterClient(FrontEnd):
             if n in self.attention:
                 if self.routes is not None:
                     self.routes.forget(n)  # a new process: its prefix cache is empty
-                (self._readmit if self.pd is None else self.pd.readmit)(n)
+                (self._readmit if (router := self.pd or self.cp) is None else router.readmit)(n)
         return outs
 
     def _fail_crashed(self, name: str, reason: str) -> list[TokenOutput]:

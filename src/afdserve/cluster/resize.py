@@ -61,6 +61,9 @@ def scale(c: "ClusterClient", attention_workers: int | None, expert_workers: int
         raise ConfigError("this deployment cannot start workers while it serves (its launcher cannot replace them)")
     if c.pd is not None and n_a != len(c.attention):
         raise ConfigError("a prefill/decode deployment's attention pools are not resized while it serves")
+    if n_a < c.config.context_parallel_size:
+        raise ConfigError(f"invalid attention_workers={n_a}: context-parallel prefill splits prompts over "
+                          f"{c.config.context_parallel_size} attention workers")
     t0 = time.monotonic()
     c.settle(timeout)  # a recovery or resize under way finishes first
     if (n_a, n_e) == (len(c.attention), len(c.experts)):
@@ -68,6 +71,7 @@ def scale(c: "ClusterClient", attention_workers: int | None, expert_workers: int
                            [c.expert_map.experts_of(w) for w in range(n_e)])
     new_map = plan_expert_pool(c, n_e) if n_e != len(c.experts) else None
     removed = c.attention[n_a:] + c.experts[n_e:]
+    again = c.cp.withdraw(c.attention[n_a:]) if c.cp is not None else []  # CP prefills with a leaving rank
     moved = [rid for rid, owner in c.owner.items() if owner in c.attention[n_a:]]
     sent = {rid: c.delivered(rid) for rid in moved}  # read before the removed workers' outputs are dropped
     for name in removed:  # they stop: nothing more is read from them
@@ -113,6 +117,8 @@ def scale(c: "ClusterClient", attention_workers: int | None, expert_workers: int
         c.workers[target].send(AddRequest(rid, prompt, params, sent[rid]))
         if c.routes is not None:  # recomputed there: its prompt blocks will be cached there
             c.routes.add(target, c.routes.key(prompt))
+    if c.cp is not None:  # ... start over on the new pool
+        c.cp.resubmit(again)
     c.settle(timeout)
     if c.failed:
         raise WorkerError(f"deployment failed while resizing: {c.failed}")

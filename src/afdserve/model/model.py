@@ -111,9 +111,9 @@ class AttentionModel(nn.Module):
         part, logits = self.attn[layer], None
         if isinstance(ctx, CPContext):  # a context-parallel prefill step: attention around the ring
             if isinstance(part, MLAPart):
-                h, y = cp_latent(part, x, ctx, kv.latent(layer))
+                h, y = cp_latent(part, layer, x, ctx, kv.latent(layer))
             else:
-                h, y, logits = cp_attention(part, x, ctx, kv.keys(layer), kv.values(layer))
+                h, y, logits = cp_attention(part, layer, x, ctx, kv.keys(layer), kv.values(layer))
         elif isinstance(part, MLAPart):
             h, y = part(x, ctx, kv.latent(layer))
         elif ctx.is_decode:

@@ -20,8 +20,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Union
 
-from afdserve.engine.cp import CPShard
 from afdserve.config import EngineConfig
+from afdserve.engine.cp import CPShard
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.errors import WorkerError
@@ -74,7 +74,7 @@ class AddRequest:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # already generated (a re-admitted request)
     kv: KVTarget | None = None  # a prefill worker's request: its KV goes there as it is computed
-    cp: CPShard | None = None  # this worker's part of the prompt's context-parallel prefill
+    cp: CPShard | None = None  # a context-parallel prefill's share (a helper rank, rank > 0, emits no outputs)
 
 
 @dataclass(frozen=True)
