@@ -11,6 +11,9 @@ and never asks which device it runs on. Four small interfaces:
   the LM head with its greedy argmax).
 * ``NormBackend``: RMS norm (with the residual add) and RoPE with the KV-cache write.
 
+``Ring`` is what a context-parallel prefill step exchanges with the other ranks (its KV per layer),
+read by the CP attention halves (``afdserve.backends.pytorch.cp_half``).
+
 Implementations: ``pytorch`` (device-agnostic PyTorch: CUDA and any CPU) and ``cpu`` (afdserve's C++
 kernels). ``afdserve.backends.choose`` picks them.
 """
@@ -18,6 +21,7 @@ kernels). ``afdserve.backends.choose`` picks them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -138,4 +142,21 @@ class AttentionBackend(Protocol):
     def bind(self, layer: torch.nn.Module, router: LinearOp | None) -> AttentionHalf:
         """``layer`` (an ``AttentionPart`` whose weights are packed already) bound to this backend, with
         the router whose logits it computes too (a plain one: ``Router.plain_logits``; None: none)."""
+        ...
+
+
+class Ring(Protocol):
+    """A context-parallel prefill step's exchange with the other ranks (implemented by
+    ``afdserve.runtime.cp``): every rank's KV of a layer reaches every other rank of the ring."""
+
+    def send(self, layer: int, parts: list[torch.Tensor], positions: torch.Tensor) -> None:
+        """This rank's KV of ``layer`` (``[k, v]`` [T, kv_heads, D], or MLA's ``[latent]`` [T, latent_dim]),
+        with its positions (int64 [T]), to the next rank of the ring; it does not wait for the
+        receiver (the tensors are not written afterwards)."""
+        ...
+
+    def receive(self, layer: int) -> Iterator[tuple[int, list[torch.Tensor], torch.Tensor]]:
+        """The other ranks' KV of ``layer``, one rank at a time as it comes: (its rank, parts as
+        ``send`` has them, positions). The caller takes all of them (the ring forwards each on to
+        the next rank itself)."""
         ...

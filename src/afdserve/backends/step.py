@@ -1,14 +1,18 @@
 """A step's batch as the scheduler laid it out (``StepLayout``, host arrays), the persistent buffers
 its device tensors are staged in (``StepBuffers``), and the context every layer of the step reads
 (``AttnContext``, built once per step by the attention backend's ``prepare``; ``PagedContext`` for
-kernels that read the paged cache in place)."""
+kernels that read the paged cache in place; ``CPContext`` for a context-parallel prefill step)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from afdserve.backends.base import Ring
 
 
 @dataclass(frozen=True)
@@ -158,3 +162,17 @@ class PagedContext(AttnContext):
                    block_tables=stage("block_tables", layout.block_table),
                    kv_lens=stage("kv_lens", layout.kv_lens.astype(np.int32)), cu_q=stage("cu_q", cu),
                    block_size=layout.block_size)
+
+
+@dataclass
+class CPContext(AttnContext):
+    """A context-parallel (CP) prefill step of one rank: its tokens are its pieces of one prompt
+    (positions, cos/sin as any step's; ``slot_mapping``: its own tokens' cache slots, written by the
+    owner only), and ``ring`` exchanges every layer's KV with the other ranks
+    (``afdserve.backends.pytorch.cp_half``). The owner (rank 0) writes every rank's KV into its
+    cache: each other rank's tokens at ``rank_slots[rank]`` (int64, in that rank's piece order, as
+    its positions come through the ring); a helper rank writes nothing."""
+
+    ring: Ring | None = None
+    owner: bool = False
+    rank_slots: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -81,7 +81,9 @@ class MLAPart(nn.Module):
             raise ConfigError(f"the {backends.attention.name} attention backend does not run MLA; use the torch one")
         self.attn = backends.attention
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's queries and latents from its tokens x [T, H]: (q_nope [T, heads, nope], q_pe
+        [T, heads, rope] rotated, the latents ``[c | k_pe]`` [T, latent_dim] as the cache holds them)."""
         m, nh, t = self.mla, self.nh, x.shape[0]
         hn = self.input_norm(x)
         q = self.q_proj(hn) if m.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(hn)))
@@ -89,7 +91,12 @@ class MLAPart(nn.Module):
         c, k_pe = self.kv_a_proj(hn).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         rotate = rotate_interleaved if m.rope_interleave else apply_rotary
         q_pe, k_pe = rotate(q_pe, ctx.cos, ctx.sin), rotate(k_pe[:, None, :], ctx.cos, ctx.sin)[:, 0]
-        self.attn.kv.write(cache, ctx, torch.cat([self.kv_a_norm(c), k_pe], dim=-1))
+        return q_nope, q_pe, torch.cat([self.kv_a_norm(c), k_pe], dim=-1)
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        m, nh, t = self.mla, self.nh, x.shape[0]
+        q_nope, q_pe, latent = self.project(x, ctx)
+        self.attn.kv.write(cache, ctx, latent)
         out = self.attn.latent_attention(self, q_nope, q_pe, cache, ctx)
         h = x + self.o_proj(out.reshape(t, nh * m.v_head_dim))
         return h, self.post_norm(h)

@@ -1,0 +1,89 @@
+"""The attention math of a context-parallel prefill (pass-KV ring), in device-agnostic PyTorch.
+
+A rank's queries attend to each rank's keys apart (``partial``: the float32 outputs normalized over
+those keys, with their log-sum-exp), and the partials are combined exactly by their log-sum-exps
+(``merge``): with ``lse_i`` the log of partial i's softmax denominator,
+``o = sum_i exp(lse_i - lse) o_i`` where ``lse = logsumexp_i lse_i`` (plus a sink's logit, gpt-oss).
+MLA's absorbed form attends to the latents as one shared key head whose values are the latents'
+first ``r`` dimensions (``latent_partial``); the merge is linear in the values, so ``W_UV`` is
+applied once after it.
+
+Visibility is by position: key j is seen by query i iff ``k_pos[j] <= q_pos[i]`` and, with a window
+W, ``q_pos[i] - k_pos[j] < W``. A query that sees no key of a partial gets ``lse = -inf`` and a zero
+output (it weighs nothing in the merge).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORE_BYTES = 64 << 20  # float32 scores per chunk of queries, at most (one chunk holds one query at least)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """bool [Tq, Tk]: which keys each query sees (causal, through ``window`` keys; 0: all)."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) & (d < window) if window else d >= 0
+
+
+def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+            scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q [T, H, D] at ``q_pos`` (int64 [T]) over keys k [L, kv_heads, D] and values
+    v [L, kv_heads, Dv] at ``k_pos`` (int64 [L]): (o float32 [T, H, Dv], lse float32 [T, H]). Head h
+    reads kv head ``h // (H / kv_heads)`` (GQA); the scores are ``scale * q . k``; computed in
+    float32 in chunks of queries whose scores take at most ``SCORE_BYTES``."""
+    t, h, _ = q.shape
+    kvh, dv, n_keys = k.shape[1], v.shape[-1], k.shape[0]
+    if h % kvh:
+        raise ValueError(f"partial: {h} query heads are not a multiple of {kvh} kv heads")
+    out = q.new_zeros(t, h, dv, dtype=torch.float32)
+    lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    if t == 0 or n_keys == 0:
+        return out, lse
+    g = h // kvh
+    keys = k.float().permute(1, 2, 0)  # [kvh, D, L]
+    vals = v.float().transpose(0, 1)  # [kvh, L, Dv]
+    step = max(1, SCORE_BYTES // (4 * h * n_keys))
+    for s in range(0, t, step):
+        e = min(t, s + step)
+        n = e - s
+        qs = q[s:e].float().view(n, kvh, g, -1).transpose(0, 1).reshape(kvh, n * g, -1)
+        scores = torch.bmm(qs, keys).mul_(scale).view(kvh, n, g, n_keys)
+        scores.masked_fill_(~visible(q_pos[s:e], k_pos, window)[None, :, None, :], float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(torch.isneginf(m), 0.0, m)  # a query that sees nothing: exp(-inf - 0) = 0
+        p = scores.sub_(m).exp_()
+        denom = p.sum(-1)  # [kvh, n, g]
+        o = torch.bmm(p.view(kvh, n * g, n_keys), vals).view(kvh, n, g, dv)
+        o = o / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # 0 / tiny = 0 where nothing is seen
+        out[s:e] = o.permute(1, 0, 2, 3).reshape(n, h, dv)
+        lse[s:e] = (m[..., 0] + denom.log()).permute(1, 0, 2).reshape(n, h)
+    return out, lse
+
+
+def latent_partial(q_abs: torch.Tensor, latent: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                   r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's absorbed attention: queries ``[q_nope W_UK | q_pe]`` [T, H, r + rope] over the latents
+    ``[c | k_pe]`` [L, r + rope] as one shared key head whose values are ``c`` (their first ``r``
+    dimensions): (o_lat float32 [T, H, r], lse float32 [T, H])."""
+    keys = latent[:, None, :]
+    return partial(q_abs, keys, keys[..., :r], q_pos, k_pos, scale)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor | None,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The attention over all the partials' keys together, [T, H, Dv] in ``dtype``, from the partials
+    (o [T, H, Dv], lse [T, H]) of one set of queries. ``sinks`` [H]: one more value-less logit per head
+    (gpt-oss) in every query's softmax. A query that sees no key (and no sink) gets zeros."""
+    if not parts:
+        raise ValueError("merge: no partials")
+    lses = torch.stack([lse for _, lse in parts])  # [P, T, H]
+    total = torch.logsumexp(lses, dim=0)
+    if sinks is not None:
+        total = torch.logaddexp(total, sinks.float()[None, :])
+    total = torch.where(torch.isneginf(total), 0.0, total)
+    out = None
+    for (o, _), lse in zip(parts, lses):
+        term = o * (lse - total).exp()[..., None]
+        out = term if out is None else out.add_(term)
+    return out.to(dtype)
