@@ -99,8 +99,11 @@ def clear(c):
 def test_zigzag_cuts_block_aligned_chunks_and_pairs_them():
     assert zigzag(100, 2, 16) == (((0, 32), (96, 100)), ((32, 64), (64, 96)))
     assert zigzag(50, 1, 16) == (((0, 32), (32, 50)),)
-    assert zigzag(65, 2, 16) == (((0, 32),), ((32, 64), (64, 65)))  # the last chunk empty: dropped
-    for n, N, bs in ((10_000, 4, 16), (4096, 3, 16), (777, 5, 8), (1, 2, 16), (0, 2, 16)):
+    # three chunks: the owner takes the first and the last (the prompt's last token is always its)
+    assert zigzag(65, 2, 16) == (((0, 32), (64, 65)), ((32, 64),))
+    with pytest.raises(ValueError, match="at least 1"):
+        zigzag(0, 2, 16)
+    for n, N, bs in ((10_000, 4, 16), (4096, 3, 16), (777, 5, 8), (1, 2, 16)):
         pieces = zigzag(n, N, bs)
         assert len(pieces) == N
         flat = sorted(p for rank in pieces for p in rank)
@@ -120,7 +123,7 @@ def test_which_prompts_go_context_parallel():
     assert cp_split(4096, 1, 16, 64, 2048) is None  # one rank
     assert cp_split(4200, 2, 16, 64, 2048) is None  # a rank's share (2 x 1056 tokens) over one step
     assert cp_split(4200, 3, 16, 64, 2048) is not None  # ... but not over three ranks
-    assert cp_split(65, 2, 16, 2, 2048) is None  # the last token would not be on the owner
+    assert cp_split(20, 2, 16, 2, 2048) is None  # two chunks, both the owner's: no share for rank 1
 
 
 # ---- submission ----------------------------------------------------------------------------------
