@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from afdserve.backends import choose
 from afdserve.backends.pytorch import ring
 from afdserve.backends.pytorch.cp_half import cp_attention, cp_latent
-from afdserve.backends.pytorch.ring import latent_partial, merge, partial
+from afdserve.backends.pytorch.ring import RingAttention, cpu_partial, latent_partial, merge, partial
 from afdserve.backends.step import AttnContext, CPContext, StepBuffers, StepLayout
 from afdserve.kvcache.cache import KVCache
 from afdserve.kvcache.cp_split import zigzag
@@ -25,6 +25,9 @@ from afdserve.model.mla import MLAPart
 from afdserve.model.model import AttentionModel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# the device-agnostic partial attention, and the CPU's fused one where torch has its kernel
+ATTENDS = [partial, pytest.param(cpu_partial, marks=pytest.mark.skipif(
+    RingAttention.on("cpu").partial is not cpu_partial, reason="no fused CPU flash-attention kernel in this torch"))]
 
 
 # -- the split --
@@ -92,37 +95,40 @@ def _ring_merge(n, N, bs, attend, dtype=torch.float32):
     return out
 
 
+@pytest.mark.parametrize("attend", ATTENDS)
 @pytest.mark.parametrize("N", [1, 2, 3])
 @pytest.mark.parametrize("n", [37, 16])
 @pytest.mark.parametrize("heads,kv_heads,window,with_sinks", [(4, 4, 0, False), (6, 2, 5, True), (4, 1, 0, True),
                                                               (2, 2, 9, False)])
-def test_partials_merge_to_full_causal_attention(N, n, heads, kv_heads, window, with_sinks):
+def test_partials_merge_to_full_causal_attention(N, n, heads, kv_heads, window, with_sinks, attend):
     g = torch.Generator().manual_seed(n * 10 + N)
     q, k, v = (torch.randn(n, h, 8, generator=g) for h in (heads, kv_heads, kv_heads))
     sinks = torch.randn(heads, generator=g) if with_sinks else None
 
-    def attend(pos, split):
-        parts = [partial(q[pos], k[kp], v[kp], pos, kp, 0.3, window) for kp in split]
+    def rank(pos, split):
+        parts = [attend(q[pos], k[kp], v[kp], pos, kp, 0.3, window) for kp in split]
         return merge(parts, sinks, torch.float32)
 
-    got = _ring_merge(n, N, 4, attend)
+    got = _ring_merge(n, N, 4, rank)
     torch.testing.assert_close(got, _full(q, k, v, window, sinks, 0.3), **TOL)
 
 
+@pytest.mark.parametrize("attend", ATTENDS)
 @pytest.mark.parametrize("N", [1, 2, 3])
-def test_latent_partials_merge_to_full_mla_attention(N):
+def test_latent_partials_merge_to_full_mla_attention(N, attend):
     n, heads, r, rope = 29, 5, 12, 6
     g = torch.Generator().manual_seed(N)
     q, lat = torch.randn(n, heads, r + rope, generator=g), torch.randn(n, r + rope, generator=g)
 
-    def attend(pos, split):
-        return merge([latent_partial(q[pos], lat[kp], pos, kp, 0.2, r) for kp in split], None, torch.float32)
+    def rank(pos, split):
+        return merge([latent_partial(q[pos], lat[kp], pos, kp, 0.2, r, attend) for kp in split], None, torch.float32)
 
     want = _full(q, lat[:, None].expand(n, heads, r + rope), lat[:, None, :r].expand(n, heads, r), 0, None, 0.2)
-    torch.testing.assert_close(_ring_merge(n, N, 4, attend), want, **TOL)
+    torch.testing.assert_close(_ring_merge(n, N, 4, rank), want, **TOL)
 
 
-def test_a_query_that_sees_no_key_weighs_nothing():
+@pytest.mark.parametrize("partial", ATTENDS)
+def test_a_query_that_sees_no_key_weighs_nothing(partial):
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(3, 4, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
     q_pos, k_pos = torch.tensor([2, 6, 9]), torch.tensor([5, 6, 7, 8, 9])
@@ -140,17 +146,19 @@ def test_a_query_that_sees_no_key_weighs_nothing():
     assert torch.isneginf(lse3).all() and (o3 == 0).all()
 
 
-def test_queries_in_chunks_give_the_same_result(monkeypatch):
+@pytest.mark.parametrize("partial", ATTENDS)
+def test_queries_in_chunks_give_the_same_result(monkeypatch, partial):
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(23, 4, 8, generator=g), torch.randn(23, 2, 8, generator=g), torch.randn(23, 2, 8, generator=g)
     pos = torch.arange(23)
     whole = partial(q, k, v, pos, pos, 0.4, 6)
-    monkeypatch.setattr(ring, "SCORE_BYTES", 4 * 4 * 23 * 5)  # 5 queries a chunk
+    monkeypatch.setattr(ring, "SCORE_BYTES", 4 * 4 * 23 * 5)  # 5 queries a chunk (10: the fused one's)
     for a, b in zip(partial(q, k, v, pos, pos, 0.4, 6), whole):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_partial_refuses_heads_that_do_not_group():
+@pytest.mark.parametrize("partial", ATTENDS)
+def test_partial_refuses_heads_that_do_not_group(partial):
     with pytest.raises(ValueError, match="multiple"):
         partial(torch.zeros(1, 3, 4), torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), torch.zeros(1, dtype=torch.long),
                 torch.zeros(1, dtype=torch.long), 1.0)
@@ -205,7 +213,7 @@ def _prefill(model, x, table, kv):
     return [_layer(model, l, x, ctx, kv) for l in range(model.cfg.num_layers)]
 
 
-def _cp(model, x, table, N, kv_dtype):
+def _cp(model, x, table, N, kv_dtype, attention):
     """Each rank's CP halves in a thread over an in-process ring: per rank (positions, its layers'
     results, its cache)."""
     pieces = zigzag(x.shape[0], N, BS)
@@ -220,7 +228,7 @@ def _cp(model, x, table, N, kv_dtype):
         assert torch.equal(base.positions, positions[r])
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(AttnContext)}
         ctxs.append(CPContext(**fields, ring=_Ring(inboxes, r), owner=r == 0,
-                              rank_slots={s: slots[s] for s in range(1, N)} if r == 0 else {}))
+                              rank_slots={s: slots[s] for s in range(1, N)} if r == 0 else {}, attention=attention))
 
     def run(r):
         try:
@@ -244,18 +252,21 @@ def _cp(model, x, table, N, kv_dtype):
     return positions, results, caches
 
 
-@pytest.mark.parametrize("arch,backend,N,fp8", [
-    ("mixtral", "torch", 2, False), ("mixtral", "auto", 3, False), ("qwen3_moe", "torch", 3, False),
-    ("gpt_oss", "torch", 3, False), ("gpt_oss", "torch", 1, False), ("deepseek_v3", "torch", 3, False),
-    ("mixtral", "torch", 3, True), ("gpt_oss", "torch", 2, True), ("deepseek_v3", "torch", 2, True)])
-def test_cp_halves_equal_the_normal_prefill(four_archs, arch, backend, N, fp8):
+# fused: the CPU's partial attention (RingAttention.on("cpu")), else the context names none (portable)
+@pytest.mark.parametrize("arch,backend,N,fp8,fused", [
+    ("mixtral", "torch", 2, False, False), ("mixtral", "auto", 3, False, True), ("qwen3_moe", "torch", 3, False, True),
+    ("gpt_oss", "torch", 3, False, True), ("gpt_oss", "torch", 3, False, False), ("gpt_oss", "torch", 1, False, True),
+    ("deepseek_v3", "torch", 3, False, True), ("deepseek_v3", "torch", 3, False, False),
+    ("mixtral", "torch", 3, True, True), ("gpt_oss", "torch", 2, True, False), ("deepseek_v3", "torch", 2, True, True)])
+def test_cp_halves_equal_the_normal_prefill(four_archs, arch, backend, N, fp8, fused):
     model = _model(four_archs[arch], backend, fp8=False)
     cfg, n = model.cfg, 37  # longer than gpt-oss's window (8); not a multiple of the block size
     g = torch.Generator().manual_seed(N)
     table = torch.randperm(BLOCKS, generator=g)[: -(-n // BS)].tolist()
     x = torch.randn(n, cfg.hidden_size, generator=g)
     want = _prefill(model, x, table, _cache(cfg, torch.float32))
-    positions, got, caches = _cp(model, x, table, N, FP8 if fp8 else torch.float32)
+    attention = RingAttention.on("cpu") if fused else None
+    positions, got, caches = _cp(model, x, table, N, FP8 if fp8 else torch.float32, attention)
     for pos, rank in zip(positions, got):
         for l, (ref, out) in enumerate(zip(want, rank)):
             assert (ref[2] is None) == (out[2] is None)

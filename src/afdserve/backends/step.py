@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from afdserve.backends.base import Ring
+    from afdserve.backends.pytorch.ring import RingAttention
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,11 @@ class CPContext(AttnContext):
     owner only), and ``ring`` exchanges every layer's KV with the other ranks
     (``afdserve.backends.pytorch.cp_half``). The owner (rank 0) writes every rank's KV into its
     cache: each other rank's tokens at ``rank_slots[rank]`` (int64, in that rank's piece order, as
-    its positions come through the ring); a helper rank writes nothing."""
+    its positions come through the ring); a helper rank writes nothing. ``attention``: the partial
+    attentions for the step's device, chosen once (``RingAttention.on(device)``; None: the
+    device-agnostic ones)."""
 
     ring: Ring | None = None
     owner: bool = False
     rank_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: RingAttention | None = None

@@ -9,8 +9,9 @@ Functions over a bound layer's modules, whatever backends packed its weights:
 
 Per layer: norm, projections and RoPE (the layer's norm backend, ``input_norm.ops``, rotates into
 step buffers, as ``Fp8KV.rope_cache`` does); ``ring.send`` of this rank's KV; the owner's cache
-write of its own KV at ``ctx.slot_mapping``; the local partial attention (``ring.partial``); each
-received rank's partial (the owner writes that rank's KV at ``ctx.rank_slots[rank]``); the merge
+write of its own KV at ``ctx.slot_mapping``; the local partial attention (``ctx.attention``, an
+``afdserve.backends.pytorch.ring.RingAttention``; the device-agnostic one where None); each received
+rank's partial (the owner writes that rank's KV at ``ctx.rank_slots[rank]``); the merge
 (with the sinks); output projection, residual and post-attention norm; the router's logits where the
 layer's bound half computes them.
 
@@ -27,9 +28,11 @@ import dataclasses
 import torch
 
 from afdserve.backends.pytorch.kv import kv_access
-from afdserve.backends.pytorch.ring import latent_partial, merge, partial
+from afdserve.backends.pytorch.ring import RingAttention, merge
 from afdserve.backends.step import CPContext
 from afdserve.kvcache.fp8 import Fp8Pages
+
+PORTABLE = RingAttention(fused_cpu=False)  # the partial attentions of a context that names none
 
 
 def cp_attention(layer, index: int, x: torch.Tensor, ctx: CPContext, k_cache, v_cache
@@ -47,7 +50,7 @@ def cp_attention(layer, index: int, x: torch.Tensor, ctx: CPContext, k_cache, v_
     rows = torch.arange(t, device=x.device)
     norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
     q = a.input_norm.ops.rope_cache(qkv, ctx.cos, ctx.sin, k, v, rows, a.num_heads, a.num_kv_heads, *norms, a.eps)
-    ring = ctx.ring
+    ring, partial = ctx.ring, (ctx.attention or PORTABLE).partial
     ring.send(index, [k, v], ctx.positions)
     writer = _Writer(ctx, [k_cache, v_cache])
     writer.own([k, v])
@@ -68,17 +71,17 @@ def cp_latent(layer, index: int, x: torch.Tensor, ctx: CPContext, cache) -> tupl
     to the merged latent output. ``cache``: the layer's latent cache (written by the owner only)."""
     m, nh, t = layer.mla, layer.nh, x.shape[0]
     q_nope, q_pe, latent = layer.project(x, ctx)
-    ring = ctx.ring
+    ring, attention = ctx.ring, ctx.attention or PORTABLE
     ring.send(index, [latent], ctx.positions)
     writer = _Writer(ctx, [cache])
     writer.own([latent])
     w_uk, w_uv = layer.w_kv_b()
     q = torch.cat([torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe], dim=-1)  # [T, nh, r + rope]
     r, scale = m.kv_lora_rank, m.softmax_scale
-    parts = [latent_partial(q, latent, ctx.positions, ctx.positions, scale, r)]
+    parts = [attention.latent_partial(q, latent, ctx.positions, ctx.positions, scale, r)]
     for rank, (lat,), pos in ring.receive(index):
         writer.received(rank, [lat])
-        parts.append(latent_partial(q, lat, ctx.positions, pos, scale, r))
+        parts.append(attention.latent_partial(q, lat, ctx.positions, pos, scale, r))
     out = torch.einsum("tnr,nvr->tnv", merge(parts, None, x.dtype), w_uv)
     h = x + layer.o_proj(out.reshape(t, nh * m.v_head_dim))
     return h, layer.post_norm(h)
