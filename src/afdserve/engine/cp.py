@@ -82,7 +82,7 @@ def cp_layout(shard: CPShard, table: list[int], block_size: int) -> tuple[StepLa
     q = [b - a for a, b in own]
     kv = [b for _, b in own]
     row = np.asarray(table if shard.owner else [], dtype=np.int32)
-    width = max(2, row.shape[0])
+    width = max(2, row.shape[0], -(-max(kv) // block_size))  # a helper's: no blocks (-1), as wide as its positions
     tables = np.full((len(own), width), -1, dtype=np.int32)
     tables[:, : row.shape[0]] = row
     layout = StepLayout.of(q, kv, tables, block_size)
