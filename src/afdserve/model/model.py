@@ -18,6 +18,7 @@ from torch import nn
 from afdserve.backends import Backends
 from afdserve.backends.base import Ring
 from afdserve.backends.pytorch.cp_half import cp_attention, cp_latent
+from afdserve.backends.pytorch.ring import RingAttention
 from afdserve.backends.step import AttnContext, CPContext, StepBuffers, StepLayout
 from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
@@ -82,6 +83,7 @@ class AttentionModel(nn.Module):
             router = self.routers[str(layer)] if self.cfg.is_moe(layer) else None
             part.bind(backends, router.op if router is not None and router.plain_logits else None)
         self.backends = backends
+        self._ring_attention = RingAttention.on(self.device)  # context-parallel steps' partial attentions
         return self
 
     def context(self, layout: StepLayout, buffers: StepBuffers) -> AttnContext:
@@ -97,7 +99,8 @@ class AttentionModel(nn.Module):
         stage = buffers.stage
         ctx = CPContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
                         layout.num_tokens, False, first_rows=stage("first_rows", layout.first_rows), ring=ring,
-                        owner=owner, rank_slots={r: stage(f"cp_slots{r}", s) for r, s in rank_slots.items()})
+                        owner=owner, rank_slots={r: stage(f"cp_slots{r}", s) for r, s in rank_slots.items()},
+                        attention=self._ring_attention)
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
         return ctx
 
