@@ -113,6 +113,28 @@ def test_partials_merge_to_full_causal_attention(N, n, heads, kv_heads, window, 
     torch.testing.assert_close(got, _full(q, k, v, window, sinks, 0.3), **TOL)
 
 
+@pytest.mark.parametrize("fn", [partial, cpu_partial])
+@pytest.mark.parametrize("N,n,window,block", [(2, 37, 0, 256), (3, 64, 0, 256), (2, 70, 5, 4), (3, 53, 9, 8),
+                                              (1, 30, 3, 5), (2, 40, 64, 8)])
+def test_blocks_attend_as_one_masked_partial(monkeypatch, fn, N, n, window, block):
+    """``attend`` over the pieces (only the blocks that see each other, windows cut into blocks of
+    queries over their window's keys) equals one masked ``partial`` of every query over every key,
+    for each pair of ranks' pieces."""
+    monkeypatch.setattr(ring, "WINDOW_BLOCK", block)
+    g = torch.Generator().manual_seed(n + N + window)
+    q, k, v = (torch.randn(n, h, 8, generator=g) for h in (6, 2, 2))
+    pieces = zigzag(n, N, 4)
+    for qr in range(N):
+        for kr in range(N):
+            qp, kp = _positions(pieces[qr]), _positions(pieces[kr])
+            if not qp.numel() or not kp.numel():
+                continue
+            want = partial(q[qp], k[kp], v[kp], qp, kp, 0.3, window)
+            got = ring.attend(fn, q[qp], k[kp], v[kp], qp, kp, pieces[qr], pieces[kr], 0.3, window)
+            torch.testing.assert_close(got[1], want[1], **TOL)
+            torch.testing.assert_close(got[0], want[0], **TOL)
+
+
 @pytest.mark.parametrize("attend", ATTENDS)
 @pytest.mark.parametrize("N", [1, 2, 3])
 def test_latent_partials_merge_to_full_mla_attention(N, attend):
@@ -228,7 +250,8 @@ def _cp(model, x, table, N, kv_dtype, attention):
         assert torch.equal(base.positions, positions[r])
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(AttnContext)}
         ctxs.append(CPContext(**fields, ring=_Ring(inboxes, r), owner=r == 0,
-                              rank_slots={s: slots[s] for s in range(1, N)} if r == 0 else {}, attention=attention))
+                              rank_slots={s: slots[s] for s in range(1, N)} if r == 0 else {}, attention=attention,
+                              pieces=pieces, rank=r))
 
     def run(r):
         try:

@@ -174,9 +174,17 @@ class CPContext(AttnContext):
     cache: each other rank's tokens at ``rank_slots[rank]`` (int64, in that rank's piece order, as
     its positions come through the ring); a helper rank writes nothing. ``attention``: the partial
     attentions for the step's device, chosen once (``RingAttention.on(device)``; None: the
-    device-agnostic ones)."""
+    device-agnostic ones). ``pieces``: every rank's position ranges (host ints), so that only the
+    blocks of queries and keys that see each other are computed (None: all, masked); ``rank``:
+    this one's."""
 
     ring: Ring | None = None
     owner: bool = False
     rank_slots: dict[int, torch.Tensor] = field(default_factory=dict)
     attention: RingAttention | None = None
+    pieces: tuple | None = None
+    rank: int = 0
+
+    def pieces_of(self, rank: int):
+        """Rank ``rank``'s position ranges, or None where the context has none."""
+        return None if self.pieces is None else self.pieces[rank]

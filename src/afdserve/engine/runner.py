@@ -58,7 +58,8 @@ def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers,
     context-parallel step's with its ``ring``: ``AttentionModel.cp_context``)."""
     buffers.begin()
     if inp.cp is not None:
-        ctx = model.cp_context(inp.layout, buffers, ring, inp.cp.shard.owner, inp.cp.rank_slots)
+        sh = inp.cp.shard
+        ctx = model.cp_context(inp.layout, buffers, ring, sh.owner, inp.cp.rank_slots, sh.pieces, sh.rank)
     else:
         ctx = model.context(inp.layout, buffers)
     ids, rows = buffers.stage("input_ids", inp.input_ids), buffers.stage("rows", inp.rows)

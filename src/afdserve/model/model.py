@@ -93,14 +93,14 @@ class AttentionModel(nn.Module):
         return ctx
 
     def cp_context(self, layout: StepLayout, buffers: StepBuffers, ring: Ring, owner: bool,
-                   rank_slots: dict[int, np.ndarray]) -> CPContext:
+                   rank_slots: dict[int, np.ndarray], pieces: tuple | None = None, rank: int = 0) -> CPContext:
         """A context-parallel prefill step's context (``afdserve.engine.cp``): its positions, the
         owner's cache slots (its own and, by rank, the other ranks'), the rotary tables and the ring."""
         stage = buffers.stage
         ctx = CPContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
                         layout.num_tokens, False, first_rows=stage("first_rows", layout.first_rows), ring=ring,
                         owner=owner, rank_slots={r: stage(f"cp_slots{r}", s) for r, s in rank_slots.items()},
-                        attention=self._ring_attention)
+                        attention=self._ring_attention, pieces=pieces, rank=rank)
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
         return ctx
 

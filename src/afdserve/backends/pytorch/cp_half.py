@@ -50,14 +50,15 @@ def cp_attention(layer, index: int, x: torch.Tensor, ctx: CPContext, k_cache, v_
     rows = torch.arange(t, device=x.device)
     norms = (None, None) if a.q_norm is None else (a.q_norm.weight, a.k_norm.weight)
     q = a.input_norm.ops.rope_cache(qkv, ctx.cos, ctx.sin, k, v, rows, a.num_heads, a.num_kv_heads, *norms, a.eps)
-    ring, partial = ctx.ring, (ctx.attention or PORTABLE).partial
+    ring, att = ctx.ring, ctx.attention or PORTABLE
     ring.send(index, [k, v], ctx.positions)
     writer = _Writer(ctx, [k_cache, v_cache])
     writer.own([k, v])
-    parts = [partial(q, k, v, ctx.positions, ctx.positions, a.scale, a.window)]
+    own = ctx.pieces_of(ctx.rank)
+    parts = [att.attend(q, k, v, ctx.positions, ctx.positions, own, own, a.scale, a.window)]
     for rank, (rk, rv), pos in ring.receive(index):
         writer.received(rank, [rk, rv])
-        parts.append(partial(q, rk, rv, ctx.positions, pos, a.scale, a.window))
+        parts.append(att.attend(q, rk, rv, ctx.positions, pos, own, ctx.pieces_of(rank), a.scale, a.window))
     out = merge(parts, a.sinks, x.dtype)
     h, y = a.post_norm.add_forward(a.o_proj(out.reshape(t, -1)), x)
     router = getattr(a.half, "router", None)
@@ -78,10 +79,11 @@ def cp_latent(layer, index: int, x: torch.Tensor, ctx: CPContext, cache) -> tupl
     w_uk, w_uv = layer.w_kv_b()
     q = torch.cat([torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe], dim=-1)  # [T, nh, r + rope]
     r, scale = m.kv_lora_rank, m.softmax_scale
-    parts = [attention.latent_partial(q, latent, ctx.positions, ctx.positions, scale, r)]
+    own = ctx.pieces_of(ctx.rank)
+    parts = [attention.latent_partial(q, latent, ctx.positions, ctx.positions, scale, r, own, own)]
     for rank, (lat,), pos in ring.receive(index):
         writer.received(rank, [lat])
-        parts.append(attention.latent_partial(q, lat, ctx.positions, pos, scale, r))
+        parts.append(attention.latent_partial(q, lat, ctx.positions, pos, scale, r, own, ctx.pieces_of(rank)))
     out = torch.einsum("tnr,nvr->tnv", merge(parts, None, x.dtype), w_uv)
     h = x + layer.o_proj(out.reshape(t, nh * m.v_head_dim))
     return h, layer.post_norm(h)

@@ -66,11 +66,12 @@ def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 
 def cpu_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``partial`` through ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU tensors): each kv
-    head's query heads as its queries, visibility as an additive mask (chunks of queries whose mask
-    takes at most ``SCORE_BYTES``); values narrower than the keys are padded with zeros (the kernel
-    needs one head size)."""
+                scale: float, window: int = 0, mode: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial`` through ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU tensors): the
+    query heads of a kv head in the batch dimension. ``mode`` (``blocks``): "full" (every query sees
+    every key: no mask), "causal" (queries and keys at the same positions) or "mask" (visibility as an
+    additive mask, in chunks of queries whose mask takes at most ``SCORE_BYTES``). Values narrower
+    than the keys are padded with zeros (the kernel needs one head size)."""
     t, h, d = q.shape
     kvh, dv, n_keys = k.shape[1], v.shape[-1], k.shape[0]
     if h % kvh:
@@ -79,28 +80,78 @@ def cpu_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
     lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
     if t == 0 or n_keys == 0:
         return out, lse
-    g = h // kvh
-    keys = k.float().transpose(0, 1)[None]  # [1, kvh, L, D]
-    vals = v.float().transpose(0, 1)[None]
+    g, width = h // kvh, max(d, dv)
+    qs = q.float().view(t, kvh, g, d).permute(2, 1, 0, 3)  # [g, kvh, t, d]
+    keys = k.float().transpose(0, 1)[None].expand(g, kvh, n_keys, d)
+    vals = v.float().transpose(0, 1)[None].expand(g, kvh, n_keys, dv)
     if dv < d:
         vals = torch.nn.functional.pad(vals, (0, d - dv))
     elif dv > d:
-        keys = torch.nn.functional.pad(keys, (0, dv - d))
-    step = max(1, SCORE_BYTES // (4 * g * n_keys))
+        qs, keys = (torch.nn.functional.pad(x, (0, dv - d)) for x in (qs, keys))
+    if mode in ("full", "causal"):
+        o, l = _FLASH_CPU(qs, keys, vals, 0.0, mode == "causal", scale=scale)
+        return (o[..., :dv].permute(2, 1, 0, 3).reshape(t, h, dv),
+                l.permute(2, 1, 0).reshape(t, h))
+    step = max(1, SCORE_BYTES // (4 * n_keys))
     for s in range(0, t, step):
         e = min(t, s + step)
-        n = e - s
-        qs = q[s:e].float().view(n, kvh, g, d).transpose(0, 1).reshape(1, kvh, n * g, d)
-        if dv > d:
-            qs = torch.nn.functional.pad(qs, (0, dv - d))
         seen = visible(q_pos[s:e], k_pos, window)  # [n, L]
-        bias = torch.zeros(n, g, n_keys).masked_fill_(~seen[:, None, :], float("-inf")).view(1, 1, n * g, n_keys)
-        o, l = _FLASH_CPU(qs, keys, vals, 0.0, False, attn_mask=bias, scale=scale)
+        bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))[None, None]
+        o, l = _FLASH_CPU(qs[:, :, s:e].contiguous(), keys, vals, 0.0, False, attn_mask=bias, scale=scale)
         any_seen = seen.any(-1)[:, None]  # [n, 1]
-        o = o[0, :, :, :dv].view(kvh, n, g, dv).permute(1, 0, 2, 3).reshape(n, h, dv)
+        o = o[..., :dv].permute(2, 1, 0, 3).reshape(e - s, h, dv)
         out[s:e] = torch.where(any_seen[..., None], o, 0.0)
-        l = l[0].view(kvh, n, g).permute(1, 0, 2).reshape(n, h)
+        l = l.permute(2, 1, 0).reshape(e - s, h)
         lse[s:e] = torch.where(any_seen, l, float("-inf"))
+    return out, lse
+
+
+WINDOW_BLOCK = 256  # queries per block of a windowed layer (its keys cut to the block's window)
+
+
+def blocks(q_pieces, k_pieces, window: int = 0) -> list[tuple[int, int, int, int, str]]:
+    """The (query rows, key rows, mode) blocks whose queries see some of the keys, for queries laid
+    out as the contiguous position ranges ``q_pieces`` and keys as ``k_pieces`` (rows in piece
+    order): (q start, q end, k start, k end, mode); mode "full" where every query of the block sees
+    every key of it, "causal" where they are the same positions, else "mask". Without a window a
+    query piece is one block (zigzag pieces are whole chunks: only "full" and "causal" arise); with
+    one, blocks of ``WINDOW_BLOCK`` queries, each over the keys of its window only."""
+    out, qo = [], 0
+    for qa, qb in q_pieces:
+        size = WINDOW_BLOCK if window else max(1, qb - qa)
+        for s in range(qa, qb, size):
+            e, ko = min(qb, s + size), 0
+            for ka, kb in k_pieces:
+                lo, hi = (max(ka, s - window + 1) if window else ka), min(kb, e)
+                if hi > lo:
+                    if hi <= s and (not window or lo > e - 1 - window):
+                        mode = "full"
+                    elif lo == s and hi == e and not window:
+                        mode = "causal"
+                    else:
+                        mode = "mask"
+                    out.append((qo + s - qa, qo + e - qa, ko + lo - ka, ko + hi - ka, mode))
+                ko += kb - ka
+        qo += qb - qa
+    return out
+
+
+def attend(partial_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           q_pieces, k_pieces, scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial`` over position ranges known on the host (``blocks``): only the blocks whose queries
+    see keys are computed, each through ``partial_fn`` (``partial`` or ``cpu_partial``), and merged
+    by their log-sum-exps into one (o, lse) of the queries over all the keys."""
+    t, h, dv = q.shape[0], q.shape[1], v.shape[-1]
+    out = q.new_zeros(t, h, dv, dtype=torch.float32)
+    lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    for qs, qe, ks, ke, mode in blocks(q_pieces, k_pieces, window):
+        args = (q[qs:qe], k[ks:ke], v[ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, window)
+        o2, l2 = partial_fn(*args, mode=mode) if partial_fn is cpu_partial else partial_fn(*args)
+        cur = lse[qs:qe]
+        new = torch.logaddexp(cur, l2)
+        safe = torch.where(torch.isneginf(new), 0.0, new)
+        out[qs:qe] = out[qs:qe] * (cur - safe).exp()[..., None] + o2 * (l2 - safe).exp()[..., None]
+        lse[qs:qe] = new
     return out, lse
 
 
@@ -114,14 +165,25 @@ class RingAttention:
     def __init__(self, fused_cpu: bool):
         self.partial = cpu_partial if fused_cpu else partial
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+               q_pieces, k_pieces, scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attend`` through this device's partial attention (one ``partial`` without pieces)."""
+        if q_pieces is None:
+            return self.partial(q, k, v, q_pos, k_pos, scale, window)
+        return attend(self.partial, q, k, v, q_pos, k_pos, q_pieces, k_pieces, scale, window)
+
     @classmethod
     def on(cls, device: torch.device | str) -> "RingAttention":
         return cls(torch.device(device).type == "cpu" and _FLASH_CPU is not None)
 
     def latent_partial(self, q_abs: torch.Tensor, latent: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                       scale: float, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``latent_partial`` through this device's partial attention."""
-        return latent_partial(q_abs, latent, q_pos, k_pos, scale, r, self.partial)
+                       scale: float, r: int, q_pieces=None, k_pieces=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent_partial`` through this device's partial attention (over ``blocks`` where the
+        pieces are given)."""
+        if q_pieces is None:
+            return latent_partial(q_abs, latent, q_pos, k_pos, scale, r, self.partial)
+        keys = latent[:, None, :]
+        return self.attend(q_abs, keys, keys[..., :r], q_pos, k_pos, q_pieces, k_pieces, scale)
 
 
 def latent_partial(q_abs: torch.Tensor, latent: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
