@@ -17,13 +17,16 @@ This machine's speed drifts by up to ~30 % within a minute (other tenants of the
 inside), so by default the prediction for a deployment is the mean of the predictions with two
 quick profiles taken right before and right after its measurement (``afdserve profile --quick``,
 ~15 s each); the prediction with the single full profile taken at the start is shown as well.
-Runs during which other processes on this machine used the CPUs are repeated.
+Runs during which other processes on this machine used the CPUs are repeated.  The errors are
+reported against the best of the runs and against their median ((median T(N) - median T(1)) /
+(N - 1)): the best run is often an outlier, while the profile is a typical (median-based) cost.
 
 Deployments with more worker processes than cores time-share the cores; the runtime model simulates
 that (processor sharing over the profile's core count).  The table marks them.  ``n_e = 0`` is the
 colocated engine (one process, one thread; ``planner.predict_colocated``).
 
     python benchmarks/planner_accuracy.py [--profile out/profile.json] [--json out/planner_accuracy.json]
+    python benchmarks/planner_accuracy.py --summarize out/planner_accuracy.json   # reprint, no measuring
 """
 
 from __future__ import annotations
@@ -196,13 +199,35 @@ def diagnose(n_a: int, n_e: int, m: int, batch: int, tokens: int, prompt_len: in
     return out
 
 
+def with_median(x: dict) -> dict:
+    """Adds the errors against the median of the runs to a row's ``x = row[mode]`` (for JSON written
+    before they were recorded)."""
+    med = x["measurement"]["step_median_s"] * 1e3
+    x["median_ms"] = med
+    x["error_median"] = x["predicted_ms"] / med - 1
+    x["one_profile_error_median"] = x["one_profile_ms"] / med - 1
+    return x
+
+
+def deployment_line(row: dict, mode: str, bracket: bool) -> str:
+    x, meas = row[mode], row[mode]["measurement"]
+    return (f"  n_a={row['n_a']} n_e={row['n_e']} m={row['m']} batch={row['batch_per_attention_worker']:<3} "
+            f"{mode:>8}: measured {x['measured_ms']:7.1f} ms, median {x['median_ms']:7.1f} ms  "
+            + (f"predicted {x['predicted_ms']:7.1f} ms ({x['error'] * 100:+.1f}%; median "
+               f"{x['error_median'] * 100:+.1f}%)  " if bracket else "")
+            + f"one profile {x['one_profile_ms']:7.1f} ms ({x['one_profile_error'] * 100:+.1f}%; median "
+            f"{x['one_profile_error_median'] * 100:+.1f}%)  [runs "
+            f"{', '.join(f'{v * 1e3:.1f}' for v in meas['step_runs_s'])}; other processes "
+            f"<= {max(meas['foreign_cpu']):.0%} of a core]")
+
+
 def fmt_table(rows: list[dict], cores: int, modes: list[str], bracket: bool) -> str:
     head = ["n_a", "n_e", "m", "batch/attn", "batch", "procs"]  # n_e 0: colocated
     for mode in modes:
         head += [f"{mode} ms"]
         if bracket:
             head += ["predicted", "error"]
-        head += ["1 profile", "error"]
+        head += ["1 profile", "error", "median ms", "error"]
     head += ["analytic", "error"]
     lines = []
     for r in rows:
@@ -214,6 +239,8 @@ def fmt_table(rows: list[dict], cores: int, modes: list[str], bracket: bool) -> 
             if bracket:
                 line += [f"{x['predicted_ms']:.1f}", f"{x['error'] * 100:+.1f}%"]
             line += [f"{x['one_profile_ms']:.1f}", f"{x['one_profile_error'] * 100:+.1f}%"]
+            med_err = x["error_median"] if bracket else x["one_profile_error_median"]
+            line += [f"{x['median_ms']:.1f}", f"{med_err * 100:+.1f}%"]
         ref = r[modes[0]]["measured_ms"]
         line += [f"{r['analytic_ms']:.1f}", f"{(r['analytic_ms'] / ref - 1) * 100:+.1f}%"]
         lines.append(line)
@@ -221,6 +248,45 @@ def fmt_table(rows: list[dict], cores: int, modes: list[str], bracket: bool) -> 
     out = ["  ".join(h.rjust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(x.rjust(w) for x, w in zip(line, widths)) for line in lines]
     return "\n".join(out)
+
+
+def print_report(report: dict) -> None:
+    """The table and the summary lines of a report (as written to --json)."""
+    rows, modes, bracket, cores = report["rows"], report["modes"], report["bracket"], report["cores"]
+    print(f"decode iteration time, demo model, {report['tokens']} tokens after a {report['prompt_len']}-token "
+          f"prompt (mean context {rows[0]['seq_len']:g}); {cores} cores; * = more worker processes than cores "
+          "(they time-share)")
+    if bracket:
+        print("predicted: mean of the predictions with quick profiles taken right before and right after the "
+              "deployment's measurement; 1 profile: with the full profile taken at the start")
+    print(f"{modes[0]} ms: best of {report['repeats']} runs (the errors before 'median ms' are against it); "
+          f"median ms: (median T(N) - median T(1)) / (N - 1), and {'predicted' if bracket else '1 profile'}'s "
+          "error against it")
+    print(fmt_table(rows, cores, modes, bracket))
+    for stat, suffix in (("best of runs", ""), ("median of runs", "_median")):
+        print(f"errors against the {stat}:")
+        for mode in modes:
+            for key, label in ((("error", "predicted"),) if bracket else ()) + (("one_profile_error", "1 profile"),):
+                for name, sel in (("all", rows), ("fit the cores", [r for r in rows if not r["shares_cores"]]),
+                                  ("share cores", [r for r in rows if r["shares_cores"]])):
+                    if sel:
+                        errs = [abs(r[mode][key + suffix]) for r in sel]
+                        print(f"{mode:>8} {label:>9} {stat:>14} {name:>13}: {len(sel)} deployments, mean |error| "
+                              f"{statistics.mean(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, within "
+                              "20/15/10/5%: " + "/".join(str(sum(e <= x for e in errs))
+                                                         for x in (0.20, 0.15, 0.10, 0.05)) + f" of {len(sel)}")
+
+
+def summarize(path: Path) -> int:
+    report = json.loads(path.read_text())
+    for row in report["rows"]:
+        for mode in report["modes"]:
+            with_median(row[mode])
+            print(deployment_line(row, mode, report["bracket"]))
+    print()
+    print_report(report)
+    print(f"load average before {report['loadavg_before'][0]:.2f}, after {report['loadavg_after'][0]:.2f}")
+    return 0
 
 
 def main() -> int:
@@ -249,7 +315,12 @@ def main() -> int:
                          "core meanwhile (default 0.05)")
     ap.add_argument("--diagnose", action="store_true",
                     help="also one traced run per deployment: median spans per worker (in the JSON)")
+    ap.add_argument("--summarize", type=Path, metavar="JSON",
+                    help="measure nothing: reprint the per-deployment lines, the table and the summaries of a "
+                         "saved --json")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
     if args.tokens < 3:
         ap.error("--tokens must be >= 3")
     modes = [x.strip() for x in args.modes.split(",") if x.strip()]
@@ -312,12 +383,8 @@ def main() -> int:
                                         "outside_layers_ms": (one.iteration_s - one.pipeline_s) * 1e3,
                                         "micro_batches": list(one.micro_batch_sizes), "busy": list(one.busy)},
                          "measurement": meas[mode], "loadavg": os.getloadavg()}
-            x = row[mode]
-            print(f"  n_a={n_a} n_e={n_e} m={m} batch={b:<3} {mode:>8}: measured {x['measured_ms']:7.1f} ms  "
-                  + (f"predicted {x['predicted_ms']:7.1f} ms ({x['error'] * 100:+.1f}%)  " if bracket else "")
-                  + f"one profile {x['one_profile_ms']:7.1f} ms ({x['one_profile_error'] * 100:+.1f}%)  "
-                  f"[runs {', '.join(f'{v * 1e3:.1f}' for v in meas[mode]['step_runs_s'])}; other processes "
-                  f"<= {max(meas[mode]['foreign_cpu']):.0%} of a core]", flush=True)
+            with_median(row[mode])
+            print(deployment_line(row, mode, bracket), flush=True)
         before = after
         if args.diagnose:
             trace = str(args.json.parent / f"trace_a{n_a}_e{n_e}_m{m}_b{b}.json")
@@ -326,27 +393,13 @@ def main() -> int:
             for w, med in row["trace_medians_ms"].items():
                 print(f"    {w}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items() if k != "count"))
         rows.append(row)
-    print()
-    print(f"decode iteration time, demo model, {args.tokens} tokens after a {args.prompt_len}-token prompt "
-          f"(mean context {seq_len:g}); {cores} cores; * = more worker processes than cores (they time-share)")
-    if bracket:
-        print("predicted: mean of the predictions with quick profiles taken right before and right after the "
-              "deployment's measurement; 1 profile: with the full profile taken at the start")
-    print(fmt_table(rows, cores, modes, bracket))
-    for mode in modes:
-        for key, label in ((("error", "predicted"),) if bracket else ()) + (("one_profile_error", "1 profile"),):
-            for name, sel in (("all", rows), ("fit the cores", [r for r in rows if not r["shares_cores"]]),
-                              ("share cores", [r for r in rows if r["shares_cores"]])):
-                if sel:
-                    errs = [abs(r[mode][key]) for r in sel]
-                    print(f"{mode:>8} {label:>9} {name:>13}: {len(sel)} deployments, mean |error| "
-                          f"{statistics.mean(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, within 20/15/10/5%: "
-                          + "/".join(str(sum(e <= x for e in errs)) for x in (0.20, 0.15, 0.10, 0.05)) + f" of {len(sel)}")
     load1 = os.getloadavg()
-    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; {time.perf_counter() - t0:.0f} s")
     report = {"profile": str(args.profile or args.profile_out), "device": prof.device, "cores": cores,
               "tokens": args.tokens, "prompt_len": args.prompt_len, "repeats": args.repeats, "modes": modes,
               "bracket": bracket, "rows": rows, "loadavg_before": load0, "loadavg_after": load1}
+    print()
+    print_report(report)
+    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f}; {time.perf_counter() - t0:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")
