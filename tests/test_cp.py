@@ -117,3 +117,15 @@ def test_an_abort_during_the_prefill_frees_every_rank(long_archs):
         assert wait_until(lambda: _idle(llm) and not llm.engine.get_outputs(), 20), llm.engine.worker_stats()
         (out,) = llm.generate([long], params)
         assert len(out.outputs[0].token_ids) == 6 and _cp_steps(llm) >= 2
+
+
+def test_bench_cp_measures_both_deployments(long_archs):
+    """``afdserve bench cp``: paired rounds of CP = 1 and CP = 2 on one prompt length, and the ideal
+    ratio from CP = 1's traced split of attention and expert time."""
+    from afdserve.bench.cp import measure, report
+
+    res = measure(str(long_archs["mixtral"]), 2048, rounds=1)
+    (r,) = res.rounds
+    assert r.cp1_s > 0 and r.cp2_s > 0 and res.attention_s > 0 and res.expert_s > 0
+    assert 0.5 <= res.ideal < 1
+    assert "median ratio CP=2/CP=1" in report(res)
