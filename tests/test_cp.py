@@ -84,11 +84,12 @@ def _collect(llm, ids, act) -> dict:
     return done
 
 
-@pytest.mark.parametrize("victim", ["attention0", "attention1"])
+@pytest.mark.parametrize("victim", ["attention0", "attention1", "expert0"])
 def test_a_rank_lost_during_the_prefill_loses_no_request(long_archs, victim):
-    """kill -9 either attention worker as a long prompt's CP prefill starts (a short request beside
-    it): the worker is replaced, the prefill starts over, greedy outputs equal the fault-free run's,
-    and no block stays held."""
+    """kill -9 either attention worker (a rank) or the expert worker as a long prompt's CP prefill
+    starts (a short request beside it): the worker is replaced, the prefill starts over (on new ranks,
+    or on the same ones after the new links), greedy outputs equal the fault-free run's, and no block
+    stays held."""
     rng = random.Random(11)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in (LONG // 2, 30)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -117,7 +117,8 @@ class AttentionWorker:
 
     def _cp_interrupted(self, handle: int) -> bool:
         """While a CP step waits for its peers: reads the control channel (aborts are applied now, the
-        rest waits for the loop) and says whether the step's request is gone."""
+        rest waits for the loop) and says whether to drop the step: its request is gone, or the
+        membership changed (a ``Regroup`` came: the step runs again on the new links)."""
         ctl = self._ctl
         while ctl is not None and ctl.poll(0):
             msg = ctl.recv()
@@ -125,6 +126,8 @@ class AttentionWorker:
                 self._control(msg, ctl)
             else:
                 self.backlog.append(msg)
+        if any(isinstance(m, Regroup) for m in self.backlog):  # membership changed: the step runs again after it
+            return True
         seq = self.engine.scheduler.cp_busy
         return seq is None or seq.finished or seq.cp.handle != handle
 

@@ -34,7 +34,8 @@ CP_DEADLINE_FACTOR = 30  # a CP wait's deadline in comm timeouts (a peer may wai
 
 
 class CPAborted(Exception):
-    """The CP step's request was aborted while a rank waited for its peers: the step is dropped."""
+    """While a rank waited for its peers, the CP step's request was aborted (the step is dropped) or
+    the membership changed (the step runs again once the links are new)."""
 
 
 class CPLinks:

@@ -112,7 +112,7 @@ class Lanes:
         task.waiting = None
         try:
             waits = task.run.send(None)
-        except CPAborted:  # a context-parallel prefill's request was aborted mid-step: the step is dropped
+        except CPAborted:  # a context-parallel prefill aborted or interrupted mid-step: dropped (or run again)
             del self.tasks[lane]
             self.engine.cancel(task.step)
             self.nothing_to_begin = False
