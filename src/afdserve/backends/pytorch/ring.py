@@ -30,18 +30,25 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.
     return (d >= 0) & (d < window) if window else d >= 0
 
 
+def _empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A partial's (o, lse) before any key is seen (zeros, -inf), its heads checked to group."""
+    t, h = q.shape[:2]
+    if h % k.shape[1]:
+        raise ValueError(f"partial: {h} query heads are not a multiple of {k.shape[1]} kv heads")
+    return (q.new_zeros(t, h, v.shape[-1], dtype=torch.float32),
+            q.new_full((t, h), float("-inf"), dtype=torch.float32))
+
+
 def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-            scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            scale: float, window: int = 0, mode: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries q [T, H, D] at ``q_pos`` (int64 [T]) over keys k [L, kv_heads, D] and values
     v [L, kv_heads, Dv] at ``k_pos`` (int64 [L]): (o float32 [T, H, Dv], lse float32 [T, H]). Head h
     reads kv head ``h // (H / kv_heads)`` (GQA); the scores are ``scale * q . k``; computed in
-    float32 in chunks of queries whose scores take at most ``SCORE_BYTES``."""
+    float32 in chunks of queries whose scores take at most ``SCORE_BYTES``; every ``mode`` (``blocks``)
+    is masked by the positions."""
     t, h, _ = q.shape
     kvh, dv, n_keys = k.shape[1], v.shape[-1], k.shape[0]
-    if h % kvh:
-        raise ValueError(f"partial: {h} query heads are not a multiple of {kvh} kv heads")
-    out = q.new_zeros(t, h, dv, dtype=torch.float32)
-    lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    out, lse = _empty(q, k, v)
     if t == 0 or n_keys == 0:
         return out, lse
     g = h // kvh
@@ -74,13 +81,10 @@ def cpu_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
     than the keys are padded with zeros (the kernel needs one head size)."""
     t, h, d = q.shape
     kvh, dv, n_keys = k.shape[1], v.shape[-1], k.shape[0]
-    if h % kvh:
-        raise ValueError(f"partial: {h} query heads are not a multiple of {kvh} kv heads")
-    out = q.new_zeros(t, h, dv, dtype=torch.float32)
-    lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    out, lse = _empty(q, k, v)
     if t == 0 or n_keys == 0:
         return out, lse
-    g, width = h // kvh, max(d, dv)
+    g = h // kvh
     qs = q.float().view(t, kvh, g, d).permute(2, 1, 0, 3)  # [g, kvh, t, d]
     keys = k.float().transpose(0, 1)[None].expand(g, kvh, n_keys, d)
     vals = v.float().transpose(0, 1)[None].expand(g, kvh, n_keys, dv)
@@ -141,12 +145,9 @@ def attend(partial_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     """``partial`` over position ranges known on the host (``blocks``): only the blocks whose queries
     see keys are computed, each through ``partial_fn`` (``partial`` or ``cpu_partial``), and merged
     by their log-sum-exps into one (o, lse) of the queries over all the keys."""
-    t, h, dv = q.shape[0], q.shape[1], v.shape[-1]
-    out = q.new_zeros(t, h, dv, dtype=torch.float32)
-    lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
+    out, lse = _empty(q, k, v)
     for qs, qe, ks, ke, mode in blocks(q_pieces, k_pieces, window):
-        args = (q[qs:qe], k[ks:ke], v[ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, window)
-        o2, l2 = partial_fn(*args, mode=mode) if partial_fn is cpu_partial else partial_fn(*args)
+        o2, l2 = partial_fn(q[qs:qe], k[ks:ke], v[ks:ke], q_pos[qs:qe], k_pos[ks:ke], scale, window, mode)
         cur = lse[qs:qe]
         new = torch.logaddexp(cur, l2)
         safe = torch.where(torch.isneginf(new), 0.0, new)
@@ -180,10 +181,10 @@ class RingAttention:
                        scale: float, r: int, q_pieces=None, k_pieces=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``latent_partial`` through this device's partial attention (over ``blocks`` where the
         pieces are given)."""
-        if q_pieces is None:
-            return latent_partial(q_abs, latent, q_pos, k_pos, scale, r, self.partial)
-        keys = latent[:, None, :]
-        return self.attend(q_abs, keys, keys[..., :r], q_pos, k_pos, q_pieces, k_pieces, scale)
+        def over_blocks(q, k, v, qp, kp, sc):
+            return self.attend(q, k, v, qp, kp, q_pieces, k_pieces, sc)
+
+        return latent_partial(q_abs, latent, q_pos, k_pos, scale, r, over_blocks)
 
 
 def latent_partial(q_abs: torch.Tensor, latent: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
