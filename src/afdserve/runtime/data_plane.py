@@ -36,6 +36,18 @@ class Kind(IntEnum):
     CP_HIDDEN = 5
 
 
+class _InSlot:
+    """A typed message over M2N: received, its tensors are views of the receiver's registered slot
+    (``message``) until ``release``."""
+
+    __slots__ = ()
+    message: Message | None
+
+    def release(self) -> None:
+        if self.message is not None:
+            self.message.release()
+
+
 @dataclass(frozen=True, slots=True)
 class LayerKey:
     """Which layer of which step a message belongs to (replies are matched by it)."""
@@ -47,7 +59,7 @@ class LayerKey:
 
 
 @dataclass(slots=True)
-class ExpertInput:
+class ExpertInput(_InSlot):
     key: LayerKey
     map_version: int
     hidden: torch.Tensor
@@ -63,13 +75,9 @@ class ExpertInput:
     def tensors(self) -> list[torch.Tensor]:
         return [self.hidden] if self.ids is None else [self.hidden, self.ids, self.weights]
 
-    def release(self) -> None:
-        if self.message is not None:
-            self.message.release()
-
 
 @dataclass(slots=True)
-class ExpertOutput:
+class ExpertOutput(_InSlot):
     key: LayerKey
     partial: torch.Tensor
     message: Message | None = None
@@ -82,13 +90,9 @@ class ExpertOutput:
     def tensors(self) -> list[torch.Tensor]:
         return [self.partial]
 
-    def release(self) -> None:
-        if self.message is not None:
-            self.message.release()
-
 
 @dataclass(slots=True)
-class KVBlocks:
+class KVBlocks(_InSlot):
     """Blocks ``first``.. of the prompt of decode reservation ``handle``, for ``layer``: after it the
     receiver holds that layer's KV of the prompt's first ``end`` tokens (from its reserved start)."""
 
@@ -108,13 +112,9 @@ class KVBlocks:
     def tensors(self) -> list[torch.Tensor]:
         return self.parts
 
-    def release(self) -> None:
-        if self.message is not None:
-            self.message.release()
-
 
 @dataclass(slots=True)
-class RingKV:
+class RingKV(_InSlot):
     """CP prefill ``handle``'s KV of ``layer`` computed by rank ``origin``: ``parts`` (keys and values,
     or the latent) and their ``positions``."""
 
@@ -132,13 +132,9 @@ class RingKV:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.parts, self.positions]
 
-    def release(self) -> None:
-        if self.message is not None:
-            self.message.release()
-
 
 @dataclass(slots=True)
-class CPHidden:
+class CPHidden(_InSlot):
     """CP prefill ``handle``'s final hidden states of rank ``origin``'s positions (piece order)."""
 
     handle: int
@@ -151,10 +147,6 @@ class CPHidden:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.hidden]
-
-    def release(self) -> None:
-        if self.message is not None:
-            self.message.release()
 
 
 def read_cp(msg: Message) -> RingKV | CPHidden:
