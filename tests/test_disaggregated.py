@@ -81,9 +81,9 @@ def test_a_generate_batch_reaches_the_lanes_whole(tiny_mixtral, tmp_path):
 
 def test_a_batch_split_over_several_messages_gives_the_same_tokens(references, monkeypatch):
     """A batch larger than one AddRequests message holds goes in several; nothing changes."""
-    from afdserve.cluster import client
+    from afdserve.runtime import messages
 
-    monkeypatch.setattr(client, "ADDS_PER_MESSAGE", 2)
+    monkeypatch.setattr(messages, "ADDS_PER_MESSAGE", 2)
     path, ps, colocated = references
     with LLM(str(path), num_kv_blocks=64, expert_workers=1, micro_batches=2) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)

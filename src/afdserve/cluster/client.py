@@ -41,9 +41,9 @@ from afdserve.model.config import ModelConfig
 from afdserve.planner import attention_request_cost
 from afdserve.runtime.expert_map import ExpertMap
 from afdserve.runtime.links import max_micro_batches
-from afdserve.runtime.messages import (ADDS_PER_MESSAGE, AbortRequests, Ack, AddRequest, AddRequests, Crashed,
+from afdserve.runtime.messages import (AbortRequests, Ack, AddRequest, Crashed,
                                        FromWorker, GetStats, GetTrace, KVReserved, PeerLost, Ready, Regroup, SetMicroBatches,
-                                       Shutdown, StatsReply, StepOutputs, ToWorker, TraceReply, WorkerSpec)
+                                       Shutdown, StatsReply, StepOutputs, ToWorker, TraceReply, WorkerSpec, batched)
 from afdserve.runtime.trace import write_chrome_trace
 
 log = logging.getLogger("afdserve.cluster")
@@ -164,8 +164,8 @@ class ClusterClient(FrontEnd):
                     self.owner[rid], self.lengths[rid], self.requests[rid] = target, len(ids), (ids, params)
                     adds.setdefault(target, []).append(AddRequest(rid, ids, params))
             for target, batch in adds.items():
-                for part in (batch[i:i + ADDS_PER_MESSAGE] for i in range(0, len(batch), ADDS_PER_MESSAGE)):
-                    self.workers[target].send(part[0] if len(part) == 1 else AddRequests(part))
+                for msg in batched(batch):
+                    self.workers[target].send(msg)
         except BaseException:
             for rid, _, _ in requests:  # none stays queued (an abort of one not sent is a no-op)
                 self.cancel(rid)

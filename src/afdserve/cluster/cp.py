@@ -31,7 +31,7 @@ from afdserve.cluster.supervisor import MAX_CRASHES_PER_REQUEST
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
 from afdserve.kvcache.cp_split import zigzag
-from afdserve.runtime.messages import AbortRequests, AddRequest, CPShard
+from afdserve.runtime.messages import AbortRequests, AddRequest, CPShard, batched
 
 if TYPE_CHECKING:
     from afdserve.cluster.client import ClusterClient
@@ -179,5 +179,5 @@ class CPRouter:
             if w.attempt >= MAX_CRASHES_PER_REQUEST or not self.submit(rid, ids, params, adds, w.attempt + 1, avoid):
                 adds.setdefault(self._place(rid, ids, params, avoid), []).append(AddRequest(rid, ids, params))
         for target, batch in adds.items():
-            for add in batch:
-                c.workers[target].send(add)
+            for msg in batched(batch):
+                c.workers[target].send(msg)

@@ -111,6 +111,13 @@ class AddRequests:
     requests: list[AddRequest]
 
 
+def batched(adds: list[AddRequest]) -> list[AddRequest | AddRequests]:
+    """One worker's requests as the messages that carry them, in order: at most
+    ``ADDS_PER_MESSAGE`` per ``AddRequests`` (a lone request as itself)."""
+    parts = (adds[i:i + ADDS_PER_MESSAGE] for i in range(0, len(adds), ADDS_PER_MESSAGE))
+    return [part[0] if len(part) == 1 else AddRequests(part) for part in parts]
+
+
 @dataclass(frozen=True)
 class AbortRequests:
     request_ids: list[str]
