@@ -26,6 +26,7 @@ from afdserve.comm import CommConfig, Communicator, PeerTimeoutError
 from afdserve.engine.cp import CPShard
 from afdserve.model.config import ModelConfig
 from afdserve.runtime.data_plane import CPHidden, RingKV, read_cp
+from afdserve.runtime.links import worker_store
 from afdserve.runtime.messages import WorkerSpec, worker_name
 
 CP_SLOTS = 4  # messages in flight per pair: a rank runs at most a layer ahead of the next one
@@ -43,19 +44,15 @@ class CPLinks:
 
     def __init__(self, spec: WorkerSpec, model_cfg: ModelConfig, interrupted: Callable[[int], bool],
                  group: str | None = None, attention_workers: int | None = None):
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
         c = spec.config
-        self.spec, self.interrupted = spec, interrupted
+        self.interrupted = interrupted
         self.names = [worker_name("attention", i) for i in range(attention_workers or c.attention_workers)]
         peers = [n for i, n in enumerate(self.names) if i != spec.index]
         # the largest message: one layer's KV of a rank's tokens (at most a step's token budget), or
         # its final hidden states, in float32 at most, with their positions
         width = max(2 * model_cfg.num_kv_heads * model_cfg.head_dim, model_cfg.kv_latent_dim, model_cfg.hidden_size)
         self.timeout = c.comm_timeout_ms / 1000 * CP_DEADLINE_FACTOR
-        store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=timedelta(seconds=c.startup_timeout_s))
+        store = worker_store(spec)
         cfg = CommConfig(slot_bytes=c.max_num_batched_tokens * (width * 4 + 8) + 4 * 64, num_slots=CP_SLOTS,
                          transport=c.comm_transport, deadline_s=self.timeout, connect_timeout_s=c.startup_timeout_s)
         self.comm = Communicator(spec.name, store, cfg, group=f"{group or spec.group}.cp")

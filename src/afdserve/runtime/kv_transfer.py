@@ -32,6 +32,7 @@ from afdserve.kvcache.block_manager import PrefixHit
 from afdserve.kvcache.cache import KVCache
 from afdserve.kvcache.prefix import block_hashes
 from afdserve.runtime.data_plane import KVBlocks, read_kv
+from afdserve.runtime.links import worker_store
 from afdserve.runtime.messages import AdoptKV, KVLanded, KVReserved, KVTarget, ReserveKV, WorkerSpec, worker_name
 from afdserve.runtime.pipeline import PipelinedRunner
 
@@ -56,15 +57,11 @@ def chunk_blocks(spec: WorkerSpec) -> int:
 def kv_links(spec: WorkerSpec, kv: KVCache, group: str | None = None) -> Communicator:
     """This worker's end of the KV links: a prefill worker sends to every decode worker, a decode
     worker receives from every prefill worker (slots sized by its own cache's blocks)."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     c = spec.config
     prefill = [worker_name("attention", i) for i in range(c.prefill_workers)]
     decode = [worker_name("attention", c.prefill_workers + j) for j in range(c.decode_workers)]
     per_block = sum(t[0].numel() * t.element_size() for t in kv.layer_blocks(0))
-    store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=timedelta(seconds=c.startup_timeout_s))
+    store = worker_store(spec)
     cfg = CommConfig(slot_bytes=per_block * chunk_blocks(spec) + 8 * 64, num_slots=KV_SLOTS,
                      transport=c.comm_transport, deadline_s=c.comm_timeout_ms / 1000,
                      connect_timeout_s=c.startup_timeout_s)

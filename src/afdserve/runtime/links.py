@@ -61,9 +61,7 @@ class Links:
         """Links to ``peers`` (but the ``missing`` indices) in the deployment's M2N group (``group``:
         of a later membership epoch); their waits do not spin while ``no_spin()`` (the worker's
         backend hooks: ``afdserve.backends.host``)."""
-        from torch.distributed import TCPStore
-
-        store = TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
+        store = worker_store(spec)
         c = spec.config
         rounds = 2 if c.expert_capacity_factor is not None and c.on_expert_overflow == "second-pass" else 1
         cfg = CommConfig(slot_bytes=slot_bytes(spec), num_slots=rounds * max_micro_batches(c.micro_batches) + 1,
@@ -132,6 +130,14 @@ class Links:
 
     def close(self) -> None:
         self.comm.close()
+
+
+def worker_store(spec: WorkerSpec):
+    """A client of the deployment's rendezvous store (``spec.store``), which every set of a worker's
+    M2N links connects through."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(spec.store[0], spec.store[1], is_master=False, timeout=_td(spec.config.startup_timeout_s))
 
 
 def _td(seconds: float):
