@@ -22,6 +22,7 @@ from pathlib import Path
 
 from afdserve.bench.pd import with_context
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.kvcache.cp_split import zigzag
 from afdserve.serving.llm import LLM
 
 BLOCK = 16
@@ -55,7 +56,7 @@ class CPResult:
 
 
 def _config(tokens: int, expert_workers: int, cp: int, threads: int | None, trace: str | None) -> dict:
-    shard = -(-tokens // (2 * BLOCK * 2)) * BLOCK * 2  # a rank's tokens, rounded to whole blocks
+    shard = max(sum(b - a for a, b in pieces) for pieces in zigzag(tokens, 2, BLOCK))  # a rank's tokens
     return dict(attention_workers=2, expert_workers=expert_workers, max_model_len=tokens + 64,
                 max_num_batched_tokens=max(2048, shard), block_size=BLOCK, num_kv_blocks=tokens // BLOCK + 64,
                 enable_prefix_caching=False, num_threads=threads, context_parallel_size=cp,

@@ -7,10 +7,11 @@ The owner (rank 0, which holds the prompt's last piece) allocates the whole prom
 and writes every rank's KV into them as it comes: after the step it holds the whole prompt and the
 request decodes as any other. The other ranks (helpers) keep nothing and emit nothing.
 
-``cp_input`` lays a CP step out for the runner: the rank's pieces are the rows of a ``StepLayout``
-(one per piece, all reading the sequence's block table), its tokens the step's input ids. A request
-asking for prompt logprobs has every rank's final hidden states sent to the owner, after its own in
-rank order: the *extended* rows the owner's LM head reads.
+``cp_layout`` lays a CP step out for the runner (``Engine`` builds its inputs): the rank's pieces are
+the rows of a ``StepLayout`` (one per piece, all reading the sequence's block table), its tokens the
+step's input ids. A request asking for prompt logprobs has every rank's final hidden states sent to
+the owner, after its own in rank order: the *extended* rows the owner's LM head reads
+(``extended_rows``).
 """
 
 from __future__ import annotations
@@ -50,9 +51,6 @@ class CPShard:
         if not ps:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ps])
-
-    def num_tokens(self, rank: int | None = None) -> int:
-        return sum(b - a for a, b in self.pieces[self.rank if rank is None else rank])
 
     def check(self, prompt_len: int) -> None:
         """ValueError unless the pieces cover the prompt exactly once and the owner holds its last token."""
@@ -95,8 +93,7 @@ def cp_layout(shard: CPShard, table: list[int], block_size: int) -> tuple[StepLa
     return layout, slots
 
 
-def extended_rows(shard: CPShard, hidden: bool) -> np.ndarray:
-    """The position of each row the owner's LM head can read: its own rows, then (``hidden``) every
-    other rank's in rank order."""
-    parts = [shard.positions(0)] + ([shard.positions(r) for r in range(1, shard.size)] if hidden else [])
-    return np.concatenate(parts)
+def extended_rows(shard: CPShard) -> np.ndarray:
+    """The position of each row the owner's LM head reads when the helpers send their final hidden
+    states: its own rows, then every other rank's in rank order."""
+    return np.concatenate([shard.positions(r) for r in range(shard.size)])

@@ -223,7 +223,7 @@ class Engine:
             sampled.append((seq, int(np.flatnonzero(pos == n - 1)[0])))
             if hidden:
                 row_of = np.empty(n, dtype=np.int64)
-                ext = extended_rows(shard, True)
+                ext = extended_rows(shard)
                 row_of[ext] = np.arange(ext.shape[0])
                 prompt_rows = [(seq, int(row_of[p]), p + 1) for p in range(n - 1)]
         rows = np.array([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=np.int64)

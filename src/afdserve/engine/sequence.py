@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afdserve.engine.cp import CPShard
 from afdserve.engine.outputs import TokenLogprobs
 from afdserve.engine.sampling_params import SamplingParams
 
@@ -38,7 +39,7 @@ class Sequence:
     grammar: object | None = None  # its structured-output matcher (afdserve.engine.structured_output)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
     num_cached_tokens: int | None = None  # prefix tokens not recomputed, set when first scheduled
-    cp: object | None = None  # its part of a context-parallel prefill (``afdserve.engine.cp.CPShard``)
+    cp: CPShard | None = None  # its part of a context-parallel prefill (``afdserve.engine.cp``)
     plain: bool = field(init=False)  # params.argmax_of_raw_logits, read every step (params are fixed)
 
     def __post_init__(self) -> None:
