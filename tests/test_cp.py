@@ -122,11 +122,14 @@ def test_an_abort_during_the_prefill_frees_every_rank(long_archs):
 
 def test_bench_cp_measures_both_deployments(long_archs):
     """``afdserve bench cp``: paired rounds of CP = 1 and CP = 2 on one prompt length, and the ideal
-    ratio from CP = 1's traced split of attention and expert time."""
+    ratio from CP = 1's traced split of attention and expert time; with ``decode``, the time per
+    output token after it of CP = 1, CP = 2 gathered and CP = 2 sharded."""
     from afdserve.bench.cp import measure, report
 
-    res = measure(str(long_archs["mixtral"]), 2048, rounds=1)
+    res = measure(str(long_archs["mixtral"]), 2048, rounds=1, decode=4)
     (r,) = res.rounds
-    assert r.cp1_s > 0 and r.cp2_s > 0 and res.attention_s > 0 and res.expert_s > 0
+    assert r.cp1_s > 0 and r.cp2_s > 0 and r.shard_s > 0 and res.attention_s > 0 and res.expert_s > 0
+    assert r.tpot1_s > 0 and r.tpot2_s > 0 and r.tpot_shard_s > 0
     assert 0.5 <= res.ideal < 1
-    assert "median ratio CP=2/CP=1" in report(res)
+    text = report(res)
+    assert "median ratio CP=2/CP=1" in text and "median sharded/gathered time per output token" in text

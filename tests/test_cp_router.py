@@ -18,7 +18,7 @@ from afdserve.cluster.worker_stats import ClusterStats
 from afdserve.config import EngineConfig
 from afdserve.engine.outputs import TokenOutput
 from afdserve.engine.sampling_params import SamplingParams
-from afdserve.errors import ConfigError
+from afdserve.errors import ConfigError, RequestError
 from afdserve.kvcache.cp_split import zigzag
 from afdserve.runtime.messages import (AbortRequests, AddRequest, AddRequests,
                                        AttentionStats, CPShard, StepOutputs, WorkerSpec, decode, encode)
@@ -50,10 +50,12 @@ class Worker:
         return [rid for m in self.sent if isinstance(m, AbortRequests) for rid in m.request_ids]
 
 
-def cluster(attention=4, cp=2, min_tokens=64, step=2048, block=16):
-    """A ClusterClient over recording workers (no processes, no model)."""
+def cluster(attention=4, cp=2, min_tokens=64, step=2048, block=16, blocks=100_000, cp_kv="auto", max_len=1 << 20):
+    """A ClusterClient over recording workers (no processes, no model); each worker's KV cache
+    holds ``blocks`` blocks."""
     cfg = EngineConfig(attention_workers=attention, expert_workers=1, context_parallel_size=cp,
-                       cp_min_tokens=min_tokens, max_num_batched_tokens=step, block_size=block, device="cpu")
+                       cp_min_tokens=min_tokens, max_num_batched_tokens=step, block_size=block, device="cpu",
+                       num_kv_blocks=blocks, cp_kv=cp_kv)
     c = object.__new__(ClusterClient)
     c.config, c.failed, c._closed, c.can_replace, c._held = cfg, None, False, True, []
     c.attention, c.experts = [f"attention{i}" for i in range(attention)], ["expert0"]
@@ -64,7 +66,9 @@ def cluster(attention=4, cp=2, min_tokens=64, step=2048, block=16):
     c.crashes, c.membership, c.map_version, c.expert_map = CrashCounts(), Membership("g"), 0, None
     c.balancer, c.routes, c.pd = AttentionBalancer(list(c.attention)), None, None
     c.stats_view = ClusterStats(c.attention, c.experts, 1)
-    c.model_cfg = SimpleNamespace(num_experts=8)
+    c.model_cfg = SimpleNamespace(num_experts=8, num_layers=2, num_kv_heads=2, head_dim=8, kv_latent_dim=0,
+                                  kv_window=0)
+    c.max_model_len = max_len
     c._launch = lambda spec: Worker()
     c.taken = {}  # request id -> the tokens the caller took in (FrontEnd's output processor's part)
     c.delivered = lambda rid: list(c.taken.get(rid, []))
@@ -288,6 +292,61 @@ def test_a_resize_withdraws_the_prefills_of_leaving_ranks_and_never_goes_below_t
     assert not c.workers["attention2"].adds()
 
 
+# ---- where the KV stays: gathered or sharded ------------------------------------------------------
+def test_the_kv_is_sharded_where_the_request_does_not_fit_one_worker():
+    c = cluster(attention=3, cp=2, blocks=20, max_len=560)  # a worker holds 320 tokens, a request 560
+    c.submit_many([("fits", list(range(200)), P), ("big", list(range(400)), P)])
+    assert {s.keep for s in shards(c, "fits").values()} == {False}
+    assert {s.keep for s in shards(c, "big").values()} == {True} and c.cp.prefilling["big"].keep
+    assert not c.cp.prefilling["fits"].keep
+    with pytest.raises(RequestError, match="2 attention workers hold sharded"):  # the owner's 176 + 150 tokens
+        c.submit_many([("huge", list(range(400)), replace(P, max_tokens=150))])
+    with pytest.raises(RequestError, match="does not go context parallel"):
+        c.submit_many([("short", list(range(40)), replace(P, max_tokens=400))])  # under cp_min_tokens
+    assert "huge" not in c.owner and "short" not in c.owner
+    for kv, keep in (("shard", True), ("gather", False)):
+        c = cluster(attention=2, cp=2, cp_kv=kv)
+        c.submit_many([("r", list(range(200)), P)])
+        assert {s.keep for s in shards(c, "r").values()} == {keep}
+    with pytest.raises(ConfigError, match="num_kv_blocks"):  # gathered, a worker must hold a whole request
+        cluster(attention=2, cp=2, blocks=20, max_len=560, cp_kv="gather")
+
+
+def test_a_sharded_requests_helpers_hold_their_shards_until_it_ends():
+    c = cluster(attention=3, cp=3, cp_kv="shard")
+    c.submit_many([("a", list(range(380)), P), ("b", list(range(380)), P)])
+    (owner, *helpers), ranks_b = c.cp.prefilling["a"].ranks, c.cp.prefilling["b"].ranks
+    clear(c)
+    assert step(c, owner, TokenOutput("a", [5])) == [TokenOutput("a", [5])]
+    assert "a" not in c.cp.prefilling and c.cp.sharded["a"].ranks[0] == owner
+    assert not any(w.aborts() for w in c.workers.values())  # the helpers hold on
+    done = TokenOutput("a", [6], finish_reason="length")
+    assert step(c, owner, done) == [done]
+    assert sorted(n for n, w in c.workers.items() if w.aborts() == ["a"]) == sorted(helpers)  # released
+    assert "a" not in c.cp.sharded
+    clear(c)
+    step(c, ranks_b[0], TokenOutput("b", [1]))
+    c.cancel("b")
+    assert sorted(n for n, w in c.workers.items() if w.aborts() == ["b"]) == sorted(ranks_b)
+
+
+def test_a_lost_helper_of_a_sharded_request_resubmits_it_with_its_tokens_so_far():
+    c = cluster(attention=3, cp=2, cp_kv="shard")
+    c.submit_many([("r", list(range(200)), P)])
+    owner, helper = c.cp.prefilling["r"].ranks
+    step(c, owner, TokenOutput("r", [5]))
+    step(c, owner, TokenOutput("r", [6]))
+    clear(c)
+    c._lost(helper, "test: killed")
+    assert c.workers[owner].aborts() == ["r"] and "r" not in c.cp.sharded
+    again = c.cp.prefilling["r"]
+    assert again.handle == 2 and again.attempt == 2 and again.keep and again.ranks[0] != owner
+    adds = [a for w in c.workers.values() for a in w.adds() if a.request_id == "r"]
+    assert len(adds) == 2 and all(a.output_token_ids == [5, 6] and a.cp.keep for a in adds)
+    assert all(a.cp.total == 200 for a in adds)  # the prompt, prefilled again (the owner computes 5, 6 after it)
+    assert step(c, owner, TokenOutput("r", [7])) == []  # the old owner's, sent before its abort
+
+
 # ---- options, messages ---------------------------------------------------------------------------
 def test_options_are_checked():
     ok = EngineConfig(attention_workers=3, expert_workers=1, context_parallel_size=3, cp_min_tokens=2, device="cpu")
@@ -297,6 +356,7 @@ def test_options_are_checked():
                     (dict(context_parallel_size=2.0), "context_parallel_size=2.0: must be an integer"),
                     (dict(context_parallel_size=5), r"must be in 1..attention_workers \(4\)"),
                     (dict(cp_min_tokens=1), "cp_min_tokens=1: must be an integer >= 2"),
+                    (dict(cp_kv="both"), "cp_kv=.*must be auto, gather or shard"),
                     (dict(context_parallel_size=2, prefill_workers=2, decode_workers=2, attention_workers=1),
                      "prefill/decode disaggregation")):
         with pytest.raises(ConfigError, match=why):
@@ -308,10 +368,10 @@ def test_options_are_checked():
 def test_cli_flags_reach_the_config():
     for cmd in ("serve", "generate"):
         args = build_parser().parse_args([cmd, "--attention-workers", "2", "--expert-workers", "1",
-                                          "--context-parallel-size", "2", "--cp-min-tokens", "1000",
+                                          "--context-parallel-size", "2", "--cp-min-tokens", "1000", "--cp-kv", "shard",
                                           "--device", "cpu"] + (["--prompt", "x"] if cmd == "generate" else []))
         cfg = engine_config(args)
-        assert (cfg.context_parallel_size, cfg.cp_min_tokens) == (2, 1000)
+        assert (cfg.context_parallel_size, cfg.cp_min_tokens, cfg.cp_kv) == (2, 1000, "shard")
     with pytest.raises(ConfigError, match="context_parallel_size"):
         engine_config(build_parser().parse_args(["serve", "--context-parallel-size", "2", "--device", "cpu"]))
 

@@ -133,10 +133,14 @@ class EngineConfig:
     decode_workers: int = 0
     # context-parallel prefill (afdserve.cluster.cp): a prompt of at least cp_min_tokens tokens is split
     # over context_parallel_size attention workers (zigzag, afdserve.kvcache.cp_split), each computing
-    # its share in one step while a ring passes the KV; the first then holds the whole prompt and
-    # decodes it. Only where every share fits max_num_batched_tokens; 1: off
+    # its share in one step while a ring passes the KV. Only where every share fits
+    # max_num_batched_tokens; 1: off. cp_kv: where the prompt's KV stays after it: "gather" (the
+    # first worker holds it all and decodes as usual), "shard" (every worker keeps its share; each
+    # decode step attends over the shards and merges), "auto" (gathered where the request fits one
+    # worker's cache, else sharded)
     context_parallel_size: int = 1
     cp_min_tokens: int = 4096
+    cp_kv: str = "auto"
     micro_batches: int = 1
     gate: str = "attention"  # "attention" (MegaScale-Infer) or "expert" (JANUS)
     expert_split: list[int] | None = None  # experts per expert worker (default: as even as possible)
@@ -198,6 +202,7 @@ class EngineConfig:
               "context-parallel prefill does not run with prefill/decode disaggregation in this version: "
               "leave context_parallel_size at 1 or prefill_workers and decode_workers at 0")
         check("cp_min_tokens", is_int(self.cp_min_tokens) and self.cp_min_tokens >= 2, "must be an integer >= 2")
+        check("cp_kv", self.cp_kv in ("auto", "gather", "shard"), "must be auto, gather or shard")
         check("max_model_len", self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2),
               "must be an integer >= 2")
         check("kv_cache_gb", isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0, "must be > 0")

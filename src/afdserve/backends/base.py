@@ -145,6 +145,21 @@ class AttentionBackend(Protocol):
         ...
 
 
+class ShardPeers(Protocol):
+    """A sharded decode step's exchange with the ranks holding the other shards of its sequence's KV
+    (implemented by ``afdserve.runtime.cp``)."""
+
+    def ask(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """The step's queries of ``layer`` ([T, heads, D]; MLA's absorbed ones) at ``positions``
+        (int64 [T]), to every peer; it does not wait."""
+        ...
+
+    def answers(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every peer's attention of those queries over its shard: (o float32 [T, heads, Dv], lse
+        float32 [T, heads]), in rank order."""
+        ...
+
+
 class Ring(Protocol):
     """A context-parallel prefill step's exchange with the other ranks (implemented by
     ``afdserve.runtime.cp``): every rank's KV of a layer reaches every other rank of the ring."""

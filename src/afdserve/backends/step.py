@@ -1,7 +1,8 @@
 """A step's batch as the scheduler laid it out (``StepLayout``, host arrays), the persistent buffers
 its device tensors are staged in (``StepBuffers``), and the context every layer of the step reads
 (``AttnContext``, built once per step by the attention backend's ``prepare``; ``PagedContext`` for
-kernels that read the paged cache in place; ``CPContext`` for a context-parallel prefill step)."""
+kernels that read the paged cache in place; ``CPContext`` for a context-parallel prefill step;
+``ShardedContext`` for a decode step over KV sharded by one)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from afdserve.backends.base import Ring
+    from afdserve.backends.base import Ring, ShardPeers
     from afdserve.backends.pytorch.ring import RingAttention
 
 
@@ -184,7 +185,22 @@ class CPContext(AttnContext):
     attention: RingAttention | None = None
     pieces: tuple | None = None
     rank: int = 0
+    keep: bool = False  # every rank writes its own KV only, compact at ``slot_mapping`` (sharded)
 
     def pieces_of(self, rank: int):
         """Rank ``rank``'s position ranges, or None where the context has none."""
         return None if self.pieces is None else self.pieces[rank]
+
+
+@dataclass
+class ShardedContext(AttnContext):
+    """A decode step of one sequence whose prompt KV stays sharded over context-parallel ranks
+    (``afdserve.engine.cp``; ``afdserve.backends.pytorch.cp_decode``): its new token is written at
+    ``slot_mapping``; this rank's keys are at ``own_slots`` (int64, the new one last) with their
+    positions ``own_positions``; ``peers`` attend over the other shards. ``attention``: the partial
+    attentions for the step's device (``RingAttention.on(device)``; None: the device-agnostic ones)."""
+
+    peers: ShardPeers | None = None
+    own_slots: torch.Tensor | None = None
+    own_positions: torch.Tensor | None = None
+    attention: RingAttention | None = None

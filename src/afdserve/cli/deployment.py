@@ -57,13 +57,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="... and M decode them after their first token, the KV moving layer by layer")
     d.add_argument("--context-parallel-size", type=int, default=1, metavar="N",
                    help="context-parallel prefill: a long prompt (--cp-min-tokens) is split over N attention "
-                        "workers, each computing its share in one step while a ring passes the KV; the first then "
-                        "holds the whole prompt's KV and decodes it (N <= --attention-workers; not with "
-                        "--prefill-workers; default 1: off)")
+                        "workers, each computing its share in one step while a ring passes the KV "
+                        "(N <= --attention-workers; not with --prefill-workers; default 1: off)")
     d.add_argument("--cp-min-tokens", type=int, default=4096, metavar="T",
                    help="with --context-parallel-size N > 1: prompts of at least T tokens go context parallel, "
                         "where every worker's share fits --max-num-batched-tokens (others prefill in chunks on "
                         "one worker, as usual)")
+    d.add_argument("--cp-kv", default="auto", choices=["auto", "gather", "shard"],
+                   help="after a context-parallel prefill: gather the prompt's KV on the first worker, which "
+                        "decodes as usual, or keep it sharded (every decode step attends over the shards and "
+                        "merges); auto: gathered where the request fits one worker's KV cache, else sharded")
     d.add_argument("--micro-batches", type=int, default=1, help="micro-batches of the ping-pong pipeline")
     d.add_argument("--gate", default="attention", choices=["attention", "expert"],
                    help="where the router runs: attention side (MegaScale-Infer) or expert side (JANUS)")
@@ -114,7 +117,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               attention_workers=args.attention_workers, expert_workers=args.expert_workers,
               prefill_workers=getattr(args, "prefill_workers", 0), decode_workers=getattr(args, "decode_workers", 0),
               context_parallel_size=getattr(args, "context_parallel_size", 1),
-              cp_min_tokens=getattr(args, "cp_min_tokens", 4096),
+              cp_min_tokens=getattr(args, "cp_min_tokens", 4096), cp_kv=getattr(args, "cp_kv", "auto"),
               micro_batches=args.micro_batches, gate=args.gate, comm_transport=args.comm_transport,
               comm_timeout_ms=getattr(args, "comm_timeout_ms", 2000.0),
               heartbeat_timeout_ms=getattr(args, "heartbeat_timeout_ms", 3000.0),

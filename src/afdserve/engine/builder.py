@@ -59,6 +59,9 @@ def kv_block_bytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
 def kv_blocks(cfg: EngineConfig, model_cfg: ModelConfig, max_len: int) -> int:
     per_block = kv_block_bytes(cfg, model_cfg)
     n = cfg.num_kv_blocks or int(cfg.kv_cache_gb * 2**30 // per_block)
+    cp = cfg.context_parallel_size
+    if cp > 1 and cfg.cp_kv != "gather":  # a sequence's KV may stay sharded: a worker holds a share of it
+        max_len = min(max_len, -(-max_len // cp) + 2 * cfg.block_size)
     need = KVCache.sequence_blocks(max_len, cfg.block_size, model_cfg.kv_window, cfg.max_num_batched_tokens)
     if n < need:
         field = "num_kv_blocks" if cfg.num_kv_blocks else "kv_cache_gb"

@@ -9,6 +9,7 @@ built, differs.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from afdserve.backends.step import StepLayout
-from afdserve.engine.cp import CPShard, CPStep, cp_layout, extended_rows
+from afdserve.engine.cp import CPShard, CPStep, compact_slots, cp_layout, extended_rows, sharded_layout
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import ModelInput, ModelOutput, Runner
 from afdserve.engine.sampler import SamplingInputs, plain_greedy, rows_logprobs, sample
@@ -81,6 +82,12 @@ class Engine:
         self.grammars = grammars
         self._reported: set[str] = set()  # requests whose first output (with num_cached_tokens) is out
         self.cp_steps = 0  # context-parallel prefill steps computed here
+        self.sharded_steps = 0  # decode steps over sharded KV computed here
+        # a helper's shards of sharded prompts (handle -> (slots, positions), int64), read by the CP
+        # server's thread (``afdserve.runtime.cp``) under ``shard_lock``
+        self.shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.shard_lock = threading.Lock()
+        self._sharded_turn = False  # sharded decode steps take turns with the others
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None, cp: CPShard | None = None) -> None:
@@ -88,14 +95,12 @@ class Engine:
         tokens a request already generated elsewhere (a re-admitted request): recomputed with the
         prompt, then counted as output (max_tokens, penalties, its grammar). ``cp``: this worker's part
         of the prompt's context-parallel prefill (``afdserve.engine.cp``; a helper rank's request
-        computes its part and is done, silently)."""
+        computes its part and is done, silently, or holds its shard of the prompt's KV)."""
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
         if output_token_ids and params.prompt_logprobs is not None:
             params = replace(params, prompt_logprobs=None)  # reported with the first token already
         if cp is not None:
-            if output_token_ids:
-                raise RequestError("a context-parallel prefill is of a prompt only")
             try:
                 cp.check(len(prompt_token_ids))
             except ValueError as e:
@@ -173,8 +178,15 @@ class Engine:
         batch = self.scheduler.schedule_cp()  # first: the other ranks of its group wait for it
         if batch is not None:
             return self._begin_cp(batch, t0)
-        batch = self.scheduler.schedule(lanes)
+        sched = self.scheduler
+        if sched.sharded:  # a sharded sequence's step every other time (or whenever no other runs)
+            self._sharded_turn = not self._sharded_turn
+            if self._sharded_turn and (batch := sched.schedule_sharded()) is not None:
+                return self._begin_sharded(batch, t0)
+        batch = sched.schedule(lanes)
         if not batch:
+            if sched.sharded and (batch := sched.schedule_sharded()) is not None:
+                return self._begin_sharded(batch, t0)
             if lanes == 1:
                 self.last_step = StepStats()
             return None
@@ -212,14 +224,14 @@ class Engine:
         The owner samples the prompt's last row and reads prompt logprobs from the extended rows."""
         seq = batch.seqs[0]
         shard: CPShard = seq.cp
-        table = self.blocks.block_table(seq.seq_id) if shard.owner else []
+        table = self.blocks.block_table(seq.seq_id) if shard.owner or shard.keep else []
         layout, slots = cp_layout(shard, table, self.blocks.block_size)
         pos = shard.positions()
         ids = np.asarray(seq.prompt_token_ids, dtype=np.int64)[pos]
         hidden = seq.params.prompt_logprobs is not None
         sampled, prompt_rows = [], []
-        if shard.owner:
-            n = len(seq.prompt_token_ids)
+        n = len(seq.prompt_token_ids)
+        if shard.owner and not seq.output_token_ids:  # (a re-admitted request's outputs are computed after it)
             sampled.append((seq, int(np.flatnonzero(pos == n - 1)[0])))
             if hidden:
                 row_of = np.empty(n, dtype=np.int64)
@@ -232,15 +244,34 @@ class Engine:
         inp = ModelInput(ids, layout, rows if order is None else rows[order], greedy, CPStep(shard, slots, hidden))
         return StepInputs(batch, inp, order, sampled, prompt_rows, [], t0)
 
+    def _begin_sharded(self, batch, t0: float) -> StepInputs:
+        """A decode step of a sequence whose prompt KV stays sharded (``afdserve.engine.cp``): its
+        new token at its true position, written after the owner's own tokens (compact)."""
+        seq = batch.seqs[0]
+        pos = seq.num_computed
+        layout, sharded = sharded_layout(seq.cp, self.blocks.block_table(seq.seq_id), pos, self.blocks.block_size)
+        ids = np.asarray(seq.tokens(pos, pos + 1), dtype=np.int64)
+        if pos < seq.num_tokens - 1:  # a token a re-admitted request delivered before: computed, not sampled
+            return StepInputs(batch, ModelInput(ids, layout, np.zeros(0, dtype=np.int64), sharded=sharded), None,
+                              [], [], [], t0)
+        inp = ModelInput(ids, layout, np.zeros(1, dtype=np.int64), plain_greedy(seq), sharded=sharded)
+        return StepInputs(batch, inp, None, [(seq, 0)], [], [], t0)
+
     def finish(self, s: StepInputs, out: ModelOutput) -> list[TokenOutput]:
         """The step ``s`` was computed (the logits of its rows, or for a greedy step the token ids
         they choose): advances its sequences, samples, applies the stop conditions; returns the
         outputs."""
         batch, sampled, prompt_rows = s.batch, s.sampled, s.prompt_rows
         self.cp_steps += batch.cp
+        self.sharded_steps += batch.sharded
         if batch.cp and not batch.seqs[0].cp.owner:  # a helper's part is done: nothing to report
             seq = batch.seqs[0]
-            if not seq.finished:
+            if seq.cp.keep and not seq.finished:  # it holds its shard for the owner's decode steps
+                table = self.blocks.block_table(seq.seq_id)
+                with self.shard_lock:
+                    self.shards[seq.cp.handle] = (compact_slots(table, seq.cp.held, self.blocks.block_size),
+                                                  seq.cp.positions())
+            elif not seq.finished:
                 self._finish(seq)
             self.scheduler.advance(batch)
             self.last_step = StepStats(1, s.model_input.layout.num_tokens, 0, time.perf_counter() - s.t0)
@@ -251,9 +282,10 @@ class Engine:
             order = torch.from_numpy(s.order).to(logits.device)
             logits = torch.empty_like(logits).index_copy_(0, order, logits)
         self.scheduler.advance(batch)  # num_computed; full blocks become cached; no longer in flight
-        if self.kv_window:  # the next token (position num_computed) attends from here on
-            for seq in batch.seqs:
-                self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
+        if self.kv_window:  # the next token (position num_computed) attends from here on (a sharded
+            for seq in batch.seqs:  # sequence's blocks are compact: all kept)
+                if seq.cp is None or not seq.cp.keep:
+                    self.blocks.release_before(seq.seq_id, seq.num_computed - self.kv_window + 1)
         if prompt_rows:
             lp = torch.log_softmax(logits[len(sampled):], dim=-1)
             tokens = torch.tensor([seq.prompt_token_ids[pos] for seq, _, pos in prompt_rows], device=lp.device)
@@ -307,6 +339,9 @@ class Engine:
         return seq.num_cached_tokens
 
     def _finish(self, seq: Sequence) -> None:
+        if seq.cp is not None and seq.cp.keep and not seq.cp.owner:
+            with self.shard_lock:  # no CP server thread reads its blocks from now on
+                self.shards.pop(seq.cp.handle, None)
         self.scheduler.finish(seq)
         del self.seqs[seq.request_id]
         self._reported.discard(seq.request_id)

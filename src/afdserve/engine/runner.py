@@ -13,10 +13,10 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from afdserve.backends.base import Ring
+from afdserve.backends.base import Ring, ShardPeers
 from afdserve.backends.step import AttnContext, StepBuffers, StepLayout
 from afdserve.balance.load import LoadTracker
-from afdserve.engine.cp import CPStep
+from afdserve.engine.cp import CPStep, ShardedDecode
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.model import AttentionModel, ExpertModel
 
@@ -35,6 +35,7 @@ class ModelInput:
     rows: np.ndarray  # int64 [R]
     greedy: bool = False
     cp: "CPStep | None" = None  # a context-parallel prefill step's part (``afdserve.engine.cp``)
+    sharded: "ShardedDecode | None" = None  # a decode step over sharded KV (``afdserve.engine.cp``)
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,17 @@ class Runner(Protocol):
     def forward(self, inp: ModelInput) -> ModelOutput: ...
 
 
-def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers,
-          ring: Ring | None = None) -> tuple[AttnContext, torch.Tensor, torch.Tensor]:
+def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers, ring: Ring | None = None,
+          peers: ShardPeers | None = None) -> tuple[AttnContext, torch.Tensor, torch.Tensor]:
     """The step's context, token ids and rows on the model's device, staged through ``buffers`` (a
-    context-parallel step's with its ``ring``: ``AttentionModel.cp_context``)."""
+    context-parallel step's with its ``ring``: ``AttentionModel.cp_context``; a sharded decode
+    step's with the ``peers`` holding the other shards: ``AttentionModel.sharded_context``)."""
     buffers.begin()
     if inp.cp is not None:
         sh = inp.cp.shard
-        ctx = model.cp_context(inp.layout, buffers, ring, sh.owner, inp.cp.rank_slots, sh.pieces, sh.rank)
+        ctx = model.cp_context(inp.layout, buffers, ring, sh.owner, inp.cp.rank_slots, sh.pieces, sh.rank, sh.keep)
+    elif inp.sharded is not None:
+        ctx = model.sharded_context(inp.layout, buffers, peers, inp.sharded.slots, inp.sharded.positions)
     else:
         ctx = model.context(inp.layout, buffers)
     ids, rows = buffers.stage("input_ids", inp.input_ids), buffers.stage("rows", inp.rows)

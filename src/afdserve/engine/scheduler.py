@@ -15,6 +15,10 @@ A sequence with a part in a context-parallel prefill (``seq.cp``, ``afdserve.eng
 queue of its own and runs in a step of its own (``schedule_cp``), one at a time, in the order of
 the front end's handles (every rank of its group runs them in that order): the owner allocates the
 whole prompt's blocks first; after the step it decodes as any other sequence (a helper is done).
+Where the prompt's KV stays sharded (``seq.cp.keep``) every rank allocates its own pieces' blocks
+(compact); a helper then only holds them, and the owner's sequence decodes in steps of its own, one
+sequence each (``schedule_sharded``), taking turns with the other steps; it is never preempted (its
+KV cannot be recomputed here) and never enters the prefix cache (its blocks are compact).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Batch:
     num_new: list[int] = field(default_factory=list)  # tokens of each sequence computed this step
     preempted: list[Sequence] = field(default_factory=list)
     cp: bool = False  # a context-parallel prefill step (its one sequence's part of the prompt)
+    sharded: bool = False  # a decode step of one sequence whose prompt KV stays sharded
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -57,6 +62,7 @@ class Scheduler:
         self._free_after: list[Sequence] = []  # finished while in flight: blocks freed when the step lands
         self.cp_queue: list[Sequence] = []  # context-parallel prefills to run, by handle
         self.cp_busy: Sequence | None = None  # the one in a step in flight
+        self.sharded: list[Sequence] = []  # owned sequences decoding over sharded KV, in turn
 
     def add(self, seq: Sequence) -> None:
         if seq.cp is not None:
@@ -67,7 +73,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.cp_queue or self.cp_busy)
+        return bool(self.waiting or self.running or self.cp_queue or self.cp_busy or self.sharded)
 
     def schedule_cp(self) -> Batch | None:
         """The next context-parallel prefill's step (the lowest handle), unless one is in flight or
@@ -75,18 +81,35 @@ class Scheduler:
         if self.cp_busy is not None or not self.cp_queue:
             return None
         seq = self.cp_queue[0]
-        n = seq.num_tokens
-        if seq.cp.owner and seq.seq_id not in self.blocks.tables:
-            if not self.blocks.can_admit(PrefixHit(), n):
+        n = seq.num_tokens  # (the owner's blocks: a re-admitted request's outputs too, computed after the prompt)
+        if (seq.cp.owner or seq.cp.keep) and seq.seq_id not in self.blocks.tables:
+            held = seq.cp.held if seq.cp.keep else n
+            if not self.blocks.can_admit(PrefixHit(), held):
                 return None
-            self.blocks.acquire(seq.seq_id, PrefixHit(), n)
-            self.blocks.reserve(seq.seq_id, n)
+            self.blocks.acquire(seq.seq_id, PrefixHit(), held)
+            self.blocks.reserve(seq.seq_id, held)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = 0
         self.cp_queue.pop(0)
         self.cp_busy = seq
         self.in_flight.add(seq.seq_id)
-        return Batch([seq], [n - seq.num_computed], cp=True)
+        return Batch([seq], [seq.cp.total - seq.num_computed], cp=True)
+
+    def schedule_sharded(self) -> Batch | None:
+        """The decode step of the next sharded sequence not in flight whose new token has a block
+        (None: none can run now); it goes to the back of the turn."""
+        for i, seq in enumerate(self.sharded):
+            if seq.seq_id in self.in_flight:
+                continue
+            held = seq.num_computed + 1 - (seq.cp.total - seq.cp.held)  # its tokens here after the step
+            if self.blocks.blocks_needed(seq.seq_id, held):
+                if not self.blocks.can_hold(seq.seq_id, held):
+                    continue
+                self.blocks.reserve(seq.seq_id, held)
+            self.sharded.append(self.sharded.pop(i))
+            self.in_flight.add(seq.seq_id)
+            return Batch([seq], [1], sharded=True)
+        return None
 
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence and frees its blocks (once no step in flight
@@ -98,6 +121,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.cp_queue:
             self.cp_queue.remove(seq)
+        elif seq in self.sharded:
+            self.sharded.remove(seq)
         if seq.seq_id in self.in_flight:
             self._free_after.append(seq)
         else:
@@ -181,10 +206,11 @@ class Scheduler:
             if seq.status is Status.FINISHED:  # aborted while the step was in flight
                 continue
             seq.num_computed += n
-            if batch.cp:  # the owner's prompt is whole: it decodes from now on
+            if batch.cp:  # the prompt is computed: the owner decodes from now on (a helper holds its shard)
                 seq.status = Status.RUNNING
-                self.running.append(seq)
-            if caching and (n > 1 or seq.num_computed % bs == 0):
+                if seq.cp.owner:
+                    (self.sharded if seq.cp.keep else self.running).append(seq)
+            if caching and (n > 1 or seq.num_computed % bs == 0) and not (seq.cp is not None and seq.cp.keep):
                 self.blocks.commit(seq.seq_id, self._keys(seq), seq.num_computed)
         self.land(batch)
 

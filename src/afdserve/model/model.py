@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from afdserve.backends import Backends
-from afdserve.backends.base import Ring
+from afdserve.backends.base import Ring, ShardPeers
+from afdserve.backends.pytorch.cp_decode import shard_partial, sharded_attention, sharded_latent
 from afdserve.backends.pytorch.cp_half import cp_attention, cp_latent
 from afdserve.backends.pytorch.ring import RingAttention
-from afdserve.backends.step import AttnContext, CPContext, StepBuffers, StepLayout
+from afdserve.backends.step import AttnContext, CPContext, ShardedContext, StepBuffers, StepLayout
 from afdserve.errors import ModelError
 from afdserve.kvcache.cache import KVCache
 from afdserve.model.attention import AttentionPart
@@ -93,16 +94,41 @@ class AttentionModel(nn.Module):
         return ctx
 
     def cp_context(self, layout: StepLayout, buffers: StepBuffers, ring: Ring, owner: bool,
-                   rank_slots: dict[int, np.ndarray], pieces: tuple | None = None, rank: int = 0) -> CPContext:
+                   rank_slots: dict[int, np.ndarray], pieces: tuple | None = None, rank: int = 0,
+                   keep: bool = False) -> CPContext:
         """A context-parallel prefill step's context (``afdserve.engine.cp``): its positions, the
         owner's cache slots (its own and, by rank, the other ranks'), the rotary tables and the ring."""
         stage = buffers.stage
         ctx = CPContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
                         layout.num_tokens, False, first_rows=stage("first_rows", layout.first_rows), ring=ring,
                         owner=owner, rank_slots={r: stage(f"cp_slots{r}", s) for r, s in rank_slots.items()},
-                        attention=self._ring_attention, pieces=pieces, rank=rank)
+                        attention=self._ring_attention, pieces=pieces, rank=rank, keep=keep)
         ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
         return ctx
+
+    def sharded_context(self, layout: StepLayout, buffers: StepBuffers, peers: ShardPeers, own_slots: np.ndarray,
+                        own_positions: np.ndarray) -> ShardedContext:
+        """A decode step's context over sharded KV (``afdserve.engine.cp``): its new token's position
+        and slot, this rank's keys (slots, positions), the rotary tables and the peers."""
+        stage = buffers.stage
+        ctx = ShardedContext(layout, stage("positions", layout.positions), stage("slot_mapping", layout.slot_mapping),
+                             layout.num_tokens, True, first_rows=stage("first_rows", layout.first_rows), peers=peers,
+                             own_slots=stage("own_slots", own_slots), own_positions=stage("own_positions", own_positions),
+                             attention=self._ring_attention)
+        ctx.cos, ctx.sin = self.rotary.cos_sin(ctx.positions, self.dtype, int(layout.kv_lens.max(initial=0)))
+        return ctx
+
+    @torch.inference_mode()
+    def shard_partial(self, layer: int, kv: KVCache, q: torch.Tensor, q_pos: torch.Tensor, slots: torch.Tensor,
+                      k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A helper's part of a sharded decode step (``afdserve.backends.pytorch.cp_decode``): the
+        attention of ``layer``'s queries q at ``q_pos`` over the keys it holds at ``slots``
+        (positions ``k_pos``): (o, lse) float32."""
+        part = self.attn[layer]
+        caches = [kv.latent(layer)] if isinstance(part, MLAPart) else [kv.keys(layer), kv.values(layer)]
+        dev = self.device
+        return shard_partial(part, caches, q.to(dev), q_pos.to(dev), slots.to(dev), k_pos.to(dev), self.dtype,
+                             self._ring_attention)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids)
@@ -117,6 +143,11 @@ class AttentionModel(nn.Module):
                 h, y = cp_latent(part, layer, x, ctx, kv.latent(layer))
             else:
                 h, y, logits = cp_attention(part, layer, x, ctx, kv.keys(layer), kv.values(layer))
+        elif isinstance(ctx, ShardedContext):  # a decode step over sharded KV: the other shards' partials merged
+            if isinstance(part, MLAPart):
+                h, y = sharded_latent(part, layer, x, ctx, kv.latent(layer))
+            else:
+                h, y, logits = sharded_attention(part, layer, x, ctx, kv.keys(layer), kv.values(layer))
         elif isinstance(part, MLAPart):
             h, y = part(x, ctx, kv.latent(layer))
         elif ctx.is_decode:

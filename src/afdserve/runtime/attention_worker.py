@@ -69,7 +69,8 @@ class AttentionWorker:
         self._ctl: ControlChannel | None = None
         self.model_cfg = model_cfg
         self.backlog: list[ToWorker] = []  # control messages read during a CP wait, for the loop
-        self.cp = CPLinks(spec, model_cfg, self._cp_interrupted) if cfg.context_parallel_size > 1 else None
+        self.cp = CPLinks(spec, model_cfg, self._cp_interrupted, answer=self._answer) \
+            if cfg.context_parallel_size > 1 else None
         self.runner.cp = self.cp
 
     def serve(self, ctl: ControlChannel) -> None:
@@ -128,8 +129,23 @@ class AttentionWorker:
                 self.backlog.append(msg)
         if any(isinstance(m, Regroup) for m in self.backlog):  # membership changed: the step runs again after it
             return True
-        seq = self.engine.scheduler.cp_busy
-        return seq is None or seq.finished or seq.cp.handle != handle
+        sched = self.engine.scheduler
+        seq = sched.cp_busy
+        if seq is not None and seq.cp.handle == handle:
+            return seq.finished
+        return not any(s.cp.handle == handle for s in sched.sharded)  # a sharded decode step's: still owned
+
+    def _answer(self, handle: int, layer: int, q: torch.Tensor, positions: torch.Tensor):
+        """The shard server's (another thread's) answer to a sharded decode step of ``handle``: the
+        attention of ``layer``'s queries over the shard held here, or None where none is."""
+        eng = self.engine
+        with eng.shard_lock:  # (an abort frees the shard's blocks only after this)
+            held = eng.shards.get(handle)
+            if held is None:
+                return None
+            slots, pos = held
+            return self.runner.model.shard_partial(layer, self.kv, q, positions, torch.from_numpy(slots),
+                                                   torch.from_numpy(pos))
 
     def _reserved(self, replies: list[KVReserved]) -> None:
         for r in replies:
@@ -186,7 +202,7 @@ class AttentionWorker:
             if self.cp is not None:  # the CP links anew, after the expert links (the same order everywhere)
                 self.cp.close()
                 self.cp = self.runner.cp = CPLinks(self.spec, self.model_cfg, self._cp_interrupted, msg.group,
-                                                        msg.attention_workers)
+                                                        msg.attention_workers, self._answer)
             if self.kv_comm is not None:  # the KV links anew too, after the expert links (the same order everywhere)
                 self.kv_comm.close()
                 self.kv_comm = kv_links(self.spec, self.kv, msg.group)
@@ -208,7 +224,7 @@ class AttentionWorker:
         return AttentionStats(len(eng.scheduler.running), len(eng.scheduler.waiting), eng.blocks.usage,
                               eng.last_step.seconds, eng.last_step.num_tokens, per_worker,
                               load, transports or {}, prefix, lost, over, second, *self._kv_stats(asked),
-                              eng.cp_steps)
+                              eng.cp_steps, eng.sharded_steps, len(eng.shards))
 
     def _kv_stats(self, asked: bool) -> tuple[list, int]:
         """A decode worker's transfers since the last ``GetStats`` and the blocks it holds reserved."""

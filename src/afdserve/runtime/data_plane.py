@@ -16,6 +16,10 @@ tensors are views of the receiver's registered slot until ``release``. Kinds:
   with their positions [n] int64, passed around the ring.
 * ``CP_HIDDEN`` (helper rank -> owner, on the CP links): a rank's final hidden states [n, H] (the
   owner's LM head reads them for prompt logprobs).
+* ``SHARD_QUERY`` (owner -> helper, on the shard links of ``runtime/cp.py``): a decode step's queries
+  of one layer [n, heads, D] and their positions [n] int64, for the helper's shard of a sharded
+  prompt's KV; ``SHARD_PARTIAL`` (helper -> owner): the attention over that shard, o [n, heads, Dv]
+  and lse [n, heads] float32 (none where the helper holds no such shard).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class Kind(IntEnum):
     KV_BLOCKS = 3
     CP_KV = 4
     CP_HIDDEN = 5
+    SHARD_QUERY = 6
+    SHARD_PARTIAL = 7
 
 
 class _InSlot:
@@ -149,13 +155,55 @@ class CPHidden(_InSlot):
         return [self.hidden]
 
 
-def read_cp(msg: Message) -> RingKV | CPHidden:
+@dataclass(slots=True)
+class ShardQuery(_InSlot):
+    """Step ``step`` (the owner's count) of sharded prompt ``handle``: queries ``q`` of ``layer`` at
+    ``positions``."""
+
+    step: int
+    handle: int
+    layer: int
+    q: torch.Tensor
+    positions: torch.Tensor
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        return Meta(step=self.step, layer=self.layer, num_tokens=int(self.positions.shape[0]), ints=(self.handle,),
+                    kind=Kind.SHARD_QUERY)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.positions]
+
+
+@dataclass(slots=True)
+class ShardPartial(_InSlot):
+    """The answer to a ``ShardQuery`` (same step, handle, layer): (o, lse), or None where the helper
+    holds no shard of ``handle``."""
+
+    step: int
+    handle: int
+    layer: int
+    partial: tuple[torch.Tensor, torch.Tensor] | None
+    message: Message | None = None
+
+    def meta(self) -> Meta:
+        return Meta(step=self.step, layer=self.layer, ints=(self.handle,), kind=Kind.SHARD_PARTIAL)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.partial is None else list(self.partial)
+
+
+def read_cp(msg: Message) -> RingKV | CPHidden | ShardQuery | ShardPartial:
     """The typed message of the CP links a received message holds (views of the slot until ``release``)."""
     m, t = msg.meta, msg.tensors
     if m.kind == Kind.CP_KV and len(t) in (2, 3) and len(m.ints) == 1:
         return RingKV(m.step, m.layer, m.ints[0], list(t[:-1]), t[-1], msg)
     if m.kind == Kind.CP_HIDDEN and len(t) == 1 and len(m.ints) == 1:
         return CPHidden(m.step, m.ints[0], t[0], msg)
+    if m.kind == Kind.SHARD_QUERY and len(t) == 2 and len(m.ints) == 1:
+        return ShardQuery(m.step, m.ints[0], m.layer, t[0], t[1], msg)
+    if m.kind == Kind.SHARD_PARTIAL and len(t) in (0, 2) and len(m.ints) == 1:
+        return ShardPartial(m.step, m.ints[0], m.layer, (t[0], t[1]) if t else None, msg)
     msg.release()
     raise ValueError(f"message from {msg.peer!r} of kind {m.kind} on the CP links is not CP KV or hidden states")
 

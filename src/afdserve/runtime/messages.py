@@ -203,6 +203,8 @@ class AttentionStats:
     kv_landed: list[KVLanded] = field(default_factory=list)  # a decode worker's transfers since the last GetStats
     kv_reserved: int = 0  # a decode worker's blocks held for transfers (reserved, not adopted yet)
     cp_steps: int = 0  # context-parallel prefill steps this worker ran (its part of a split prompt)
+    sharded_steps: int = 0  # decode steps it ran over KV sharded by a context-parallel prefill
+    shards: int = 0  # shards of such KV it holds for other workers' requests
 
 
 @dataclass(frozen=True)

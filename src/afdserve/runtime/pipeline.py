@@ -193,7 +193,8 @@ class PipelinedRunner:
         if buffers is None:
             buffers = self._buffers[lane] = StepBuffers(m.device)
         ring = self.cp.ring(inp.cp.shard) if inp.cp is not None else None  # a CP prefill step's
-        ctx, ids, rows = stage(m, inp, buffers, ring)
+        peers = self.cp.peers(inp.sharded.shard) if inp.sharded is not None else None  # a sharded decode step's
+        ctx, ids, rows = stage(m, inp, buffers, ring, peers)
         x = m.embed_tokens(ids)
         for layer in range(m.cfg.num_layers):
             with tr.span("attention", mb=lane, layer=layer, tokens=ctx.num_tokens):

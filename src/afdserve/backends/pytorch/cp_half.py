@@ -91,19 +91,19 @@ def cp_latent(layer, index: int, x: torch.Tensor, ctx: CPContext, cache) -> tupl
 
 class _Writer:
     """The owner's cache writes of one layer (a helper rank's: none): its own KV at the step's slots,
-    each received rank's at ``ctx.rank_slots[rank]``."""
+    each received rank's at ``ctx.rank_slots[rank]``; with ``ctx.keep``, every rank's own KV only."""
 
     def __init__(self, ctx: CPContext, caches: list):
         self.ctx, self.caches = ctx, caches
         self.kv = kv_access(isinstance(caches[0], Fp8Pages))
 
     def own(self, parts: list[torch.Tensor]) -> None:
-        if self.ctx.owner:
+        if self.ctx.owner or self.ctx.keep:
             for cache, x in zip(self.caches, parts, strict=True):
                 self.kv.write(cache, self.ctx, x)
 
     def received(self, rank: int, parts: list[torch.Tensor]) -> None:
-        if not self.ctx.owner or parts[0].shape[0] == 0:
+        if not self.ctx.owner or self.ctx.keep or parts[0].shape[0] == 0:
             return
         slots = self.ctx.rank_slots[rank]
         if slots.shape[0] != parts[0].shape[0]:
