@@ -124,3 +124,29 @@ def test_an_abort_mid_decode_frees_the_shards(archs):
         assert wait_until(lambda: _idle(llm), 20), _attention(llm)
         out = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+
+
+def test_three_ranks_fp8_prompt_logprobs_and_two_micro_batches(archs):
+    """CP = 3 over three attention workers with an FP8 KV cache and two micro-batches, the KV kept
+    sharded (``cp_kv="shard"``): the greedy tokens and prompt logprobs (within 1e-4 of their size)
+    of the same deployment gathering it, and two helpers holding shards while the owner decodes."""
+    rng = random.Random(13)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in (1536, 30)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]
+    over = dict(attention_workers=3, context_parallel_size=3, cp_min_tokens=512, kv_cache_dtype="fp8_e4m3",
+                micro_batches=2)
+    outs = {}
+    for kv in ("gather", "shard"):
+        with _deployment(archs["qwen3_moe"], 3, 300, cp_kv=kv, **over) as llm:
+            outs[kv] = llm.generate(prompts, params)
+            stats = _attention(llm)
+            assert sorted(s.cp_steps for s in stats.values()) == [1, 1, 1]
+            assert sorted(s.sharded_steps for s in stats.values()) == ([0, 0, 5] if kv == "shard" else [0, 0, 0])
+            assert wait_until(lambda: _idle(llm), 10), _attention(llm)
+    want, got = outs["gather"], outs["shard"]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    ids = prompts[0]["prompt_token_ids"]
+    worst = max(abs(got[0].prompt_logprobs[j][ids[j]].logprob - want[0].prompt_logprobs[j][ids[j]].logprob)
+                / max(1.0, abs(want[0].prompt_logprobs[j][ids[j]].logprob)) for j in range(1, len(ids)))
+    assert worst < 1e-4, worst

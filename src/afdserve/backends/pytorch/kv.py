@@ -26,7 +26,7 @@ class PlainKV:
         cache[ctx.slot_mapping] = x
 
     def gather(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return cache[slots]
+        return cache.index_select(0, slots)  # (on the CPU several times faster than cache[slots])
 
 
 class Fp8KV:
