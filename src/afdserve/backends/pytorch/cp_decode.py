@@ -42,7 +42,7 @@ def sharded_attention(layer, index: int, x: torch.Tensor, ctx: ShardedContext, k
     kv.write(v_cache, ctx, v)
     keys, vals = kv.gather(k_cache, ctx.own_slots, x.dtype), kv.gather(v_cache, ctx.own_slots, x.dtype)
     att = ctx.attention or PORTABLE
-    parts = [att.partial(q, keys, vals, ctx.positions, ctx.own_positions, a.scale, a.window)]
+    parts = [att.partial(q, keys, vals, ctx.positions, ctx.own_positions, a.scale, a.window, _mode(a.window))]
     out = merge(parts + ctx.peers.answers(index), a.sinks, x.dtype)
     h, y = a.post_norm.add_forward(a.o_proj(out.reshape(t, -1)), x)
     router = getattr(a.half, "router", None)
@@ -85,4 +85,10 @@ def shard_partial(layer, caches: list, q: torch.Tensor, q_pos: torch.Tensor, slo
         m = layer.mla
         return att.latent_partial(q, kv.gather(caches[0], slots, dtype), q_pos, k_pos, m.softmax_scale, m.kv_lora_rank)
     keys, vals = kv.gather(caches[0], slots, dtype), kv.gather(caches[1], slots, dtype)
-    return att.partial(q, keys, vals, q_pos, k_pos, layer.scale, layer.window)
+    return att.partial(q, keys, vals, q_pos, k_pos, layer.scale, layer.window, _mode(layer.window))
+
+
+def _mode(window: int) -> str:
+    """How a decode step's queries see a shard: every key (they come after all of them), unless a
+    window cuts some off (then masked by position)."""
+    return "mask" if window else "full"
