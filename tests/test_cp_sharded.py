@@ -94,7 +94,7 @@ def test_a_rank_lost_mid_decode_loses_no_request(archs, victim):
     replaced, the request is prefilled again with the tokens it delivered (sharded again) and goes
     on; greedy outputs equal the fault-free run's and nothing stays held."""
     prompts = _prompts(9)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)  # the kill lands mid-decode
     with _deployment(archs["mixtral"], 2, BLOCKS) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         ids = [llm.engine.add_request(p, params) for p in prompts]
