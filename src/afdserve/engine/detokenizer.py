@@ -18,7 +18,9 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids)
-        self.prefix_offset = self._window_start()
+        # where the next window starts; None: ``_window_start`` of the ids so far, found when first
+        # needed (``settle``: a batch of them at once, or never for a request that ends unread)
+        self.prefix_offset: int | None = None
         self.read_offset = len(self.ids)
 
     def _window_start(self) -> int:
@@ -40,6 +42,8 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """Adds one token and returns the newly completed text (possibly empty)."""
+        if self.prefix_offset is None:
+            self.prefix_offset = self._window_start()
         self.ids.append(token_id)
         if self.tok is None:
             return ""
@@ -76,6 +80,7 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
         for i in todo:
             out[i] = extend_all([detoks[i]], [token_ids[i]])[0]
         return out
+    settle([detoks[i] for i in todo])
     starts = {i: len(detoks[i].ids) for i in todo}
     for i in todo:
         detoks[i].ids.extend(token_ids[i])
@@ -87,23 +92,56 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
     for i, prefix in zip(whole, prefixes):
         d = detoks[i]
         out[i] = full_of[i][len(prefix):]
-        d.prefix_offset, d.read_offset = d._window_start(), len(d.ids)
+        d.prefix_offset, d.read_offset = None, len(d.ids)  # found when more tokens come
     garbled = [i for i in todo if "\ufffd" in full_of[i]]
     for i in garbled:
         del detoks[i].ids[starts[i]:]
     pieces: dict[int, list[str]] = {i: [] for i in garbled}
+    known: dict[int, str] = {}  # the prefix window's text, while its offsets stay (no text emitted)
     for k in range(max((len(token_ids[i]) for i in garbled), default=0)):  # ``step``, batched
         live = [i for i in garbled if k < len(token_ids[i])]
         for i in live:
             detoks[i].ids.append(token_ids[i][k])
-        prefix = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in live],
-                                  skip_special_tokens=skip)
+        fresh = [i for i in live if i not in known]
+        known.update(zip(fresh, tok.decode_batch(
+            [detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in fresh], skip_special_tokens=skip)))
         full = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in live], skip_special_tokens=skip)
-        for i, p, f in zip(live, prefix, full):
+        for i, f in zip(live, full):
+            p = known[i]
             if len(f) > len(p) and not f.endswith("\ufffd"):
                 d = detoks[i]
                 pieces[i].append(f[len(p):])
                 d.prefix_offset, d.read_offset = d.read_offset, len(d.ids)
+                del known[i]
     for i in garbled:
         out[i] = "".join(pieces[i])
     return out
+
+
+def settle(detoks: list[IncrementalDetokenizer]) -> None:
+    """Finds the window start of each detokenizer that has none yet (``_window_start``) in two batch
+    decodes: of the six-token tails (whole, for most prompts), then of every further candidate start
+    of those that are not. All of one tokenizer."""
+    todo = []
+    for d in detoks:
+        if d.prefix_offset is not None:
+            continue
+        if d.tok is None or len(d.ids) <= 6:  # from six back, or its start (``_window_start``)
+            d.prefix_offset = max(len(d.ids) - 6, 0)
+        else:
+            todo.append(d)
+    if not todo:
+        return
+    tok, skip = todo[0].tok, todo[0].skip
+    garbled = []
+    for d, text in zip(todo, tok.decode_batch([d.ids[-6:] for d in todo], skip_special_tokens=skip)):
+        if "\ufffd" in text:
+            garbled.append(d)
+        else:
+            d.prefix_offset = len(d.ids) - 6
+    starts = [range(len(d.ids) - 7, max(len(d.ids) - MAX_LOOKBACK, 0) - 1, -1) for d in garbled]
+    texts = iter(tok.decode_batch([d.ids[start:] for d, rng in zip(garbled, starts) for start in rng],
+                                  skip_special_tokens=skip))
+    for d, rng in zip(garbled, starts):
+        found = [start for start, text in zip(rng, texts) if start == 0 or "\ufffd" not in text]
+        d.prefix_offset = found[0] if found else len(d.ids) - 6

@@ -191,16 +191,16 @@ class Engine:
                 self.last_step = StepStats()
             return None
         input_ids: list[int] = []
-        seq_ids, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
+        seq_ids, kv_lens, sampled, prompt_rows, partial = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
-            start, total = seq.num_computed, seq.num_computed + n
+            start = seq.num_computed
+            total = start + n
             seq_ids.append(seq.seq_id)
             kv_lens.append(total)
-            qlens.append(n)
             out = seq.output_token_ids
-            if n == 1 and total == seq.num_tokens:  # a decode (past any prompt logprob)
+            if n == 1 and total == len(seq.prompt_token_ids) + len(out):  # a decode (past any prompt logprob)
+                sampled.append((seq, len(input_ids)))
                 input_ids.append(out[-1] if out else seq.prompt_token_ids[-1])
-                sampled.append((seq, len(input_ids) - 1))
                 continue
             first_row = len(input_ids)
             input_ids.extend(seq.tokens(start, total))
@@ -214,7 +214,7 @@ class Engine:
                 partial.append(seq)
         rows = np.array([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=np.int64)
         order = np.argsort(rows, kind="stable") if prompt_rows else None  # runners return rows ascending
-        layout = StepLayout.of(qlens, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
+        layout = StepLayout.of(batch.num_new, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
         greedy = bool(sampled) and not prompt_rows and all(plain_greedy(seq) for seq, _ in sampled)
         inp = ModelInput(np.array(input_ids, dtype=np.int64), layout, rows if order is None else rows[order], greedy)
         return StepInputs(batch, inp, order, sampled, prompt_rows, partial, t0)
