@@ -98,13 +98,20 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
         del detoks[i].ids[starts[i]:]
     pieces: dict[int, list[str]] = {i: [] for i in garbled}
     known: dict[int, str] = {}  # the prefix window's text, while its offsets stay (no text emitted)
+    single: dict[int, str] = {}  # the text of one token alone
     for k in range(max((len(token_ids[i]) for i in garbled), default=0)):  # ``step``, batched
         live = [i for i in garbled if k < len(token_ids[i])]
         for i in live:
             detoks[i].ids.append(token_ids[i][k])
         fresh = [i for i in live if i not in known]
-        known.update(zip(fresh, tok.decode_batch(
-            [detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in fresh], skip_special_tokens=skip)))
+        windows = [detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in fresh]
+        # after text came out, the window is often the one token before (stray byte pieces): each
+        # token's text decoded once
+        ones = list(dict.fromkeys(w[0] for w in windows if len(w) == 1 and w[0] not in single))
+        single.update(zip(ones, tok.decode_batch([[t] for t in ones], skip_special_tokens=skip)))
+        many = [j for j, w in enumerate(windows) if len(w) != 1]
+        texts = dict(zip(many, tok.decode_batch([windows[j] for j in many], skip_special_tokens=skip)))
+        known.update((i, single[w[0]] if len(w) == 1 else texts[j]) for j, (i, w) in enumerate(zip(fresh, windows)))
         full = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in live], skip_special_tokens=skip)
         for i, f in zip(live, full):
             p = known[i]
