@@ -320,13 +320,16 @@ class Engine:
                 [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
                 [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
         outs = []
+        reported = self._reported
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             first = not seq.output_token_ids
             self._append(seq, tok)
-            outs.append(TokenOutput(seq.request_id, [tok], seq.finish_reason, seq.stop_reason,
+            rid = seq.request_id
+            outs.append(TokenOutput(rid, [tok], seq.finish_reason, seq.stop_reason,
                                     logprobs=None if lp is None else [lp],
                                     prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs
-                                    is not None else None, num_cached_tokens=self._first_output(seq)))
+                                    is not None else None,
+                                    num_cached_tokens=None if rid in reported else self._first_output(seq)))
             if seq.finish_reason is not None:
                 self._finish(seq)
         return outs
@@ -349,7 +352,8 @@ class Engine:
             self.grammars.remove(seq)
 
     def _append(self, seq: Sequence, tok: int) -> None:
-        seq.output_token_ids.append(tok)
+        out = seq.output_token_ids
+        out.append(tok)
         p = seq.params
         if seq.grammar is not None and self.grammars is not None and self.grammars.accept(seq, tok):
             seq.finish_reason = "stop"  # the grammar is complete (or cannot go on)
@@ -357,5 +361,5 @@ class Engine:
             seq.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(out) >= p.max_tokens or len(seq.prompt_token_ids) + len(out) >= self.max_model_len:
             seq.finish_reason = "length"
