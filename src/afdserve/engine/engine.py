@@ -295,11 +295,12 @@ class Engine:
         outs = [TokenOutput(seq.request_id, [], num_cached_tokens=self._first_output(seq),
                             prefill=PrefillProgress(seq.num_computed, seq.num_tokens))
                 for seq in s.partial if not seq.finished]
-        live = [(i, seq) for i, (seq, _) in enumerate(sampled) if not seq.finished]  # aborted while in flight
-        if live:
-            keep = [i for i, _ in live]
-            rows = logits[: len(sampled)] if len(keep) == len(sampled) else logits[keep]
-            outs += self._sample(rows, [seq for _, seq in live], chosen=chosen)
+        live = [seq for seq, _ in sampled if not seq.finished]  # (not aborted while in flight)
+        if live and len(live) == len(sampled):
+            outs += self._sample(logits[: len(sampled)], live, chosen=chosen)
+        elif live:
+            keep = [i for i, (seq, _) in enumerate(sampled) if not seq.finished]
+            outs += self._sample(logits[keep], live, chosen=chosen)
         num_decode = s.model_input.layout.num_decode
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - s.t0)
         if batch.num_tokens > num_decode:  # measured prefill rate: restore-versus-recompute decisions

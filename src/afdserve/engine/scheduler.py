@@ -170,7 +170,6 @@ class Scheduler:
             num_new.append(n)
             budget -= n
         # Newly preempted sequences wait for the next step, so they don't take back blocks now.
-        bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq in batch.preempted:
