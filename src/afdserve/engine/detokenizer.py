@@ -96,39 +96,56 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
     garbled = [i for i in todo if "\ufffd" in full_of[i]]
     for i in garbled:
         del detoks[i].ids[starts[i]:]
-    pieces: dict[int, list[str]] = {i: [] for i in garbled}
-    known: dict[int, str] = {}  # the prefix window's text, while its offsets stay (no text emitted)
+    for i, text in zip(garbled, _lockstep(tok, skip, [detoks[i] for i in garbled], [token_ids[i] for i in garbled])):
+        out[i] = text
+    return out
+
+
+def _lockstep(tok: Tokenizer, skip: bool, detoks: list[IncrementalDetokenizer],
+              token_ids: list[list[int]]) -> list[str]:
+    """``step`` over each detokenizer's tokens, all of them in lockstep: per token, one batch decode
+    of their windows (a prefix window only when it moved; a window of one token, the common one after
+    text came out, from each token's text decoded once)."""
+    order = sorted(range(len(detoks)), key=lambda j: -len(token_ids[j]))  # the longest first
+    ids = [detoks[j].ids for j in order]
+    toks = [token_ids[j] for j in order]
+    po = [detoks[j].prefix_offset for j in order]
+    ro = [detoks[j].read_offset for j in order]
+    pieces: list[list[str]] = [[] for _ in order]
+    known: list[str | None] = [None] * len(order)  # the prefix window's text, while its offsets stay
     single: dict[int, str] = {}  # the text of one token alone
-    for k in range(max((len(token_ids[i]) for i in garbled), default=0)):  # ``step``, batched
-        live = [i for i in garbled if k < len(token_ids[i])]
-        for i in live:
-            detoks[i].ids.append(token_ids[i][k])
-        fresh = [i for i in live if i not in known]
-        windows = [detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in fresh]
-        # after text came out, the window is often the one token before (stray byte pieces): each
-        # token's text decoded once
-        ones = list(dict.fromkeys(w[0] for w in windows if len(w) == 1 and w[0] not in single))
+    live = len(order)
+    for k in range(len(toks[0]) if toks else 0):
+        while len(toks[live - 1]) <= k:
+            live -= 1
+        for j in range(live):
+            ids[j].append(toks[j][k])
+        fresh = [j for j in range(live) if known[j] is None]
+        ones = list(dict.fromkeys(ids[j][po[j]] for j in fresh if ro[j] - po[j] == 1 and ids[j][po[j]] not in single))
         single.update(zip(ones, tok.decode_batch([[t] for t in ones], skip_special_tokens=skip)))
-        many = [j for j, w in enumerate(windows) if len(w) != 1]
-        texts = dict(zip(many, tok.decode_batch([windows[j] for j in many], skip_special_tokens=skip)))
-        known.update((i, single[w[0]] if len(w) == 1 else texts[j]) for j, (i, w) in enumerate(zip(fresh, windows)))
-        full = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in live], skip_special_tokens=skip)
-        for i, f in zip(live, full):
-            p = known[i]
+        many = [j for j in fresh if ro[j] - po[j] != 1]
+        for j, text in zip(many, tok.decode_batch([ids[j][po[j]:ro[j]] for j in many], skip_special_tokens=skip)):
+            known[j] = text
+        for j in fresh:
+            if ro[j] - po[j] == 1:
+                known[j] = single[ids[j][po[j]]]
+        full = tok.decode_batch([ids[j][po[j]:] for j in range(live)], skip_special_tokens=skip)
+        for j, f in enumerate(full):
+            p = known[j]
             if len(f) > len(p) and not f.endswith("\ufffd"):
-                d = detoks[i]
-                pieces[i].append(f[len(p):])
-                d.prefix_offset, d.read_offset = d.read_offset, len(d.ids)
-                del known[i]
-    for i in garbled:
-        out[i] = "".join(pieces[i])
+                pieces[j].append(f[len(p):])
+                po[j], ro[j], known[j] = ro[j], len(ids[j]), None
+    out = [""] * len(detoks)
+    for j, i in enumerate(order):
+        detoks[i].prefix_offset, detoks[i].read_offset = po[j], ro[j]
+        out[i] = "".join(pieces[j])
     return out
 
 
 def settle(detoks: list[IncrementalDetokenizer]) -> None:
-    """Finds the window start of each detokenizer that has none yet (``_window_start``) in two batch
-    decodes: of the six-token tails (whole, for most prompts), then of every further candidate start
-    of those that are not. All of one tokenizer."""
+    """Finds the window start of each detokenizer that has none yet (``_window_start``) in batch
+    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of one
+    candidate start further back per round. All of one tokenizer."""
     todo = []
     for d in detoks:
         if d.prefix_offset is not None:
@@ -146,9 +163,15 @@ def settle(detoks: list[IncrementalDetokenizer]) -> None:
             garbled.append(d)
         else:
             d.prefix_offset = len(d.ids) - 6
-    starts = [range(len(d.ids) - 7, max(len(d.ids) - MAX_LOOKBACK, 0) - 1, -1) for d in garbled]
-    texts = iter(tok.decode_batch([d.ids[start:] for d, rng in zip(garbled, starts) for start in rng],
-                                  skip_special_tokens=skip))
-    for d, rng in zip(garbled, starts):
-        found = [start for start, text in zip(rng, texts) if start == 0 or "\ufffd" not in text]
-        d.prefix_offset = found[0] if found else len(d.ids) - 6
+    todo = [(d, len(d.ids) - 7) for d in garbled]  # each one's next candidate start, one further back
+    while todo:  # a round per candidate, for those whose windows so far held byte pieces
+        later = []
+        for (d, start), text in zip(todo, tok.decode_batch([d.ids[start:] for d, start in todo],
+                                                           skip_special_tokens=skip)):
+            if start == 0 or "\ufffd" not in text:
+                d.prefix_offset = start
+            elif start > max(len(d.ids) - MAX_LOOKBACK, 0):
+                later.append((d, start - 1))
+            else:  # none whole: from six back (``_window_start``)
+                d.prefix_offset = len(d.ids) - 6
+        todo = later
