@@ -1,7 +1,8 @@
 """The block manager's persistent block-table rows (``batch_table``) always equal the per-sequence
 tables (``block_table``) padded with -1, whatever happened to the sequences: blocks taken a few at a
 time, prefix hits shared by reference, blocks given back early (sliding windows), frees, evictions
-of cached blocks, more sequences and longer tables than the array first had room for."""
+of cached blocks, more sequences and longer tables than the array first had room for; and the blocks
+each sequence holds (``held``) are what ``blocks_needed`` counts."""
 
 import random
 
@@ -59,6 +60,10 @@ def test_batch_table_equals_the_padded_block_tables_after_random_operations(seed
             got = bm.batch_table(ids)
             assert got.dtype == np.int32
             np.testing.assert_array_equal(got, _padded(bm, ids))
+            for s, h in zip(ids, bm.held(ids)):  # the scheduler's count: blocks_needed's
+                assert h == len(bm.block_table(s))  # given back ones included
+                n = live[s][1] + rng.randrange(0, 2 * bs + 1)
+                assert bm.blocks_needed(s, n) == max(0, -(-n // bs) - h)
     assert next_id > 20  # the run admitted, and so freed and reused, many sequences
 
 

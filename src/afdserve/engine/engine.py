@@ -191,16 +191,16 @@ class Engine:
                 self.last_step = StepStats()
             return None
         input_ids: list[int] = []
-        seq_ids, kv_lens, qlens, sampled, prompt_rows, partial = [], [], [], [], [], []
+        seq_ids, kv_lens, sampled, prompt_rows, partial = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new):
-            start, total = seq.num_computed, seq.num_computed + n
+            start = seq.num_computed
+            total = start + n
             seq_ids.append(seq.seq_id)
             kv_lens.append(total)
-            qlens.append(n)
             out = seq.output_token_ids
-            if n == 1 and total == seq.num_tokens:  # a decode (past any prompt logprob)
+            if n == 1 and total == len(seq.prompt_token_ids) + len(out):  # a decode (past any prompt logprob)
+                sampled.append((seq, len(input_ids)))
                 input_ids.append(out[-1] if out else seq.prompt_token_ids[-1])
-                sampled.append((seq, len(input_ids) - 1))
                 continue
             first_row = len(input_ids)
             input_ids.extend(seq.tokens(start, total))
@@ -214,7 +214,7 @@ class Engine:
                 partial.append(seq)
         rows = np.array([r for _, r in sampled] + [r for _, r, _ in prompt_rows], dtype=np.int64)
         order = np.argsort(rows, kind="stable") if prompt_rows else None  # runners return rows ascending
-        layout = StepLayout.of(qlens, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
+        layout = StepLayout.of(batch.num_new, kv_lens, self.blocks.batch_table(seq_ids), self.blocks.block_size)
         greedy = bool(sampled) and not prompt_rows and all(plain_greedy(seq) for seq, _ in sampled)
         inp = ModelInput(np.array(input_ids, dtype=np.int64), layout, rows if order is None else rows[order], greedy)
         return StepInputs(batch, inp, order, sampled, prompt_rows, partial, t0)
@@ -295,11 +295,12 @@ class Engine:
         outs = [TokenOutput(seq.request_id, [], num_cached_tokens=self._first_output(seq),
                             prefill=PrefillProgress(seq.num_computed, seq.num_tokens))
                 for seq in s.partial if not seq.finished]
-        live = [(i, seq) for i, (seq, _) in enumerate(sampled) if not seq.finished]  # aborted while in flight
-        if live:
-            keep = [i for i, _ in live]
-            rows = logits[: len(sampled)] if len(keep) == len(sampled) else logits[keep]
-            outs += self._sample(rows, [seq for _, seq in live], chosen=chosen)
+        live = [seq for seq, _ in sampled if not seq.finished]  # (not aborted while in flight)
+        if live and len(live) == len(sampled):
+            outs += self._sample(logits[: len(sampled)], live, chosen=chosen)
+        elif live:
+            keep = [i for i, (seq, _) in enumerate(sampled) if not seq.finished]
+            outs += self._sample(logits[keep], live, chosen=chosen)
         num_decode = s.model_input.layout.num_decode
         self.last_step = StepStats(len(batch), batch.num_tokens, num_decode, time.perf_counter() - s.t0)
         if batch.num_tokens > num_decode:  # measured prefill rate: restore-versus-recompute decisions
@@ -320,13 +321,16 @@ class Engine:
                 [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
                 [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
         outs = []
+        reported = self._reported
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             first = not seq.output_token_ids
             self._append(seq, tok)
-            outs.append(TokenOutput(seq.request_id, [tok], seq.finish_reason, seq.stop_reason,
+            rid = seq.request_id
+            outs.append(TokenOutput(rid, [tok], seq.finish_reason, seq.stop_reason,
                                     logprobs=None if lp is None else [lp],
                                     prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs
-                                    is not None else None, num_cached_tokens=self._first_output(seq)))
+                                    is not None else None,
+                                    num_cached_tokens=None if rid in reported else self._first_output(seq)))
             if seq.finish_reason is not None:
                 self._finish(seq)
         return outs
@@ -349,7 +353,8 @@ class Engine:
             self.grammars.remove(seq)
 
     def _append(self, seq: Sequence, tok: int) -> None:
-        seq.output_token_ids.append(tok)
+        out = seq.output_token_ids
+        out.append(tok)
         p = seq.params
         if seq.grammar is not None and self.grammars is not None and self.grammars.accept(seq, tok):
             seq.finish_reason = "stop"  # the grammar is complete (or cannot go on)
@@ -357,5 +362,5 @@ class Engine:
             seq.finish_reason = "stop"
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(out) >= p.max_tokens or len(seq.prompt_token_ids) + len(out) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -144,15 +144,20 @@ class Scheduler:
         batch = Batch()
         budget = max(1, self.cfg.max_num_batched_tokens // lanes)
         share = -(-len(self.running) // lanes) if lanes > 1 else len(self.running)
-        i, blocks, in_flight = 0, self.blocks, self.in_flight
-        while i < len(self.running) and budget > 0 and len(batch) < share:
-            seq = self.running[i]
-            if seq.seq_id in in_flight:
-                i += 1
+        blocks, in_flight, bs = self.blocks, self.in_flight, self.blocks.block_size
+        seqs, num_new = batch.seqs, batch.num_new
+        # the running sequences as they were, with the blocks each holds: a preemption only takes
+        # sequences after the one scheduling (skipped when reached), a reserve only adds to its own
+        running = list(self.running)
+        for seq, held in zip(running, blocks.held([seq.seq_id for seq in running])):
+            if budget <= 0 or len(seqs) >= share:
+                break
+            if seq.seq_id in in_flight or (batch.preempted and seq in batch.preempted):
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if blocks.blocks_needed(seq.seq_id, seq.num_computed + n):  # (most decode steps need none)
-                while not blocks.can_hold(seq.seq_id, seq.num_computed + n):
+            done = seq.num_computed
+            n = min(len(seq.prompt_token_ids) + len(seq.output_token_ids) - done, budget)
+            if done + n > held * bs:  # it needs blocks (most decode steps need none)
+                while not blocks.can_hold(seq.seq_id, done + n):
                     # the latest arrival not in flight; never one already in this batch
                     victim = next(v for v in reversed(self.running) if v.seq_id not in in_flight)
                     self._preempt(victim, batch)
@@ -160,13 +165,11 @@ class Scheduler:
                         break
                 if seq.status is Status.WAITING:
                     break  # it preempted itself: everything after it not in flight is gone too
-                blocks.reserve(seq.seq_id, seq.num_computed + n)
-            batch.seqs.append(seq)
-            batch.num_new.append(n)
+                blocks.reserve(seq.seq_id, done + n)
+            seqs.append(seq)
+            num_new.append(n)
             budget -= n
-            i += 1
         # Newly preempted sequences wait for the next step, so they don't take back blocks now.
-        bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if seq in batch.preempted:

@@ -156,6 +156,14 @@ class BlockManager:
         have = len(self.tables.get(seq_id, ())) + self._released.get(seq_id, 0)
         return max(0, -(-num_tokens // self.block_size) - have)
 
+    def held(self, seq_ids: Iterable[int]) -> list[int]:
+        """The blocks each of ``seq_ids`` holds, given back ones included (``blocks_needed``'s count):
+        a sequence holds room for ``held * block_size`` tokens."""
+        tables, released = self.tables, self._released
+        if not released:
+            return [len(tables.get(s, ())) for s in seq_ids]
+        return [len(tables.get(s, ())) + released.get(s, 0) for s in seq_ids]
+
     def can_hold(self, seq_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
 

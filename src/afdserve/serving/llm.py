@@ -41,10 +41,14 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # only the final outputs are returned: none is built per step (as vLLM's LLM does)
-        params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
-        for p in prompts:  # validate everything before anything is queued
-            self.engine.tokenize(p)
-        ids = self.engine.add_requests(list(zip(prompts, params)))  # together: no step starts with the first few
+        # (one copy of each distinct params object: a single one shared by all prompts is copied once)
+        final: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in final:
+                final[id(p)] = p if p.output_kind == "final_only" else replace(p, output_kind="final_only")
+        params = [final[id(p)] for p in params]
+        # together: no step starts with the first few; all or none (a refused prompt queues nothing)
+        ids = self.engine.add_requests(list(zip(prompts, params)))
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(ids):
