@@ -112,8 +112,8 @@ class CPRouter:
         """A prompt that goes context parallel: booked on its owner (not ``avoid``), every rank's
         ``AddRequest`` appended to ``adds`` (worker -> its requests, sent in order; the helpers'
         first). ``out``: the tokens the request delivered already (submitted again): the owner
-        computes them after the prompt's CP prefill. False: not context parallel (nothing done); RequestError where the request fits
-        neither one worker nor the ranks' caches sharded."""
+        computes them after the prompt's CP prefill. False: not context parallel (nothing done);
+        RequestError where the request fits neither one worker nor the ranks' caches sharded."""
         out = out or []
         n = len(ids) + len(out)
         fits = self.fits_one(n, params)

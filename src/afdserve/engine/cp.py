@@ -60,6 +60,11 @@ class CPShard:
         """The positions this rank computes (and keeps, sharded)."""
         return sum(b - a for a, b in self.pieces[self.rank])
 
+    def held_after(self, pos: int) -> int:
+        """The tokens the owner of a sharded sequence holds once position ``pos`` is computed (its
+        pieces, then every token after the prompt)."""
+        return pos + 1 - (self.total - self.held)
+
     @property
     def size(self) -> int:
         return len(self.ranks)
@@ -108,8 +113,7 @@ def sharded_layout(shard: CPShard, table: list[int], pos: int, block_size: int) 
     """The owner's decode step of a sharded sequence whose new token is at position ``pos``: its
     layout (one row, ``slot_mapping`` the owner's next compact slot) and what the runner needs
     beyond it."""
-    held = pos + 1 - (shard.total - shard.held)  # the owner's tokens after the step
-    slots = compact_slots(table, held, block_size)
+    slots = compact_slots(table, shard.held_after(pos), block_size)
     positions = np.concatenate([shard.positions(), np.arange(shard.total, pos + 1, dtype=np.int64)])
     wide = np.full((1, max(2, len(table), pos // block_size + 1)), -1, dtype=np.int32)
     wide[0, : len(table)] = table

@@ -101,7 +101,7 @@ class Scheduler:
         for i, seq in enumerate(self.sharded):
             if seq.seq_id in self.in_flight:
                 continue
-            held = seq.num_computed + 1 - (seq.cp.total - seq.cp.held)  # its tokens here after the step
+            held = seq.cp.held_after(seq.num_computed)  # its tokens here after the step
             if self.blocks.blocks_needed(seq.seq_id, held):
                 if not self.blocks.can_hold(seq.seq_id, held):
                     continue

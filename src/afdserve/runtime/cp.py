@@ -88,6 +88,18 @@ class CPLinks:
         self.asks.connect(send_to=peers, recv_from=peers)
         self.connect_timeout = c.startup_timeout_s
 
+    def recv(self, comm: Communicator, peer: str, handle: int, what: str, deadline: float):
+        """The next message from ``peer`` on ``comm`` (typed: ``read_cp``), waited for in slices:
+        CPAborted once ``interrupted(handle)``, PeerTimeoutError past ``deadline`` (monotonic)."""
+        while True:
+            try:
+                return read_cp(comm.recv(peer, timeout=WAIT_SLICE_S))
+            except PeerTimeoutError:
+                if self.interrupted(handle):
+                    raise CPAborted(f"{what} was aborted") from None
+                if time.monotonic() > deadline:
+                    raise PeerTimeoutError(peer, f"no message of {what} before the deadline") from None
+
     def ring(self, shard: CPShard) -> "CPRing":
         return CPRing(self, shard)
 
@@ -164,15 +176,7 @@ class ShardAsk:
         handle, links = self.shard.handle, self.links
         deadline = time.monotonic() + links.timeout
         while True:
-            try:
-                msg = links.asks.recv(peer, timeout=WAIT_SLICE_S)
-            except PeerTimeoutError:
-                if links.interrupted(handle):
-                    raise CPAborted(f"sharded prompt {handle} was aborted") from None
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(peer, f"no answer for sharded prompt {handle} before the deadline") from None
-                continue
-            m = read_cp(msg)
+            m = links.recv(links.asks, peer, handle, f"sharded prompt {handle}", deadline)
             if isinstance(m, ShardPartial) and m.step < self.step:
                 m.release()
                 continue
@@ -227,15 +231,7 @@ class CPRing:
         handle, links = self.shard.handle, self.links
         deadline = time.monotonic() + links.timeout
         while True:
-            try:
-                msg = links.comm.recv(peer, timeout=WAIT_SLICE_S)
-            except PeerTimeoutError:
-                if links.interrupted(handle):
-                    raise CPAborted(f"CP prefill {handle} was aborted") from None
-                if time.monotonic() > deadline:
-                    raise PeerTimeoutError(peer, f"no CP message of prefill {handle} before the deadline") from None
-                continue
-            m = read_cp(msg)
+            m = links.recv(links.comm, peer, handle, f"CP prefill {handle}", deadline)
             if m.handle < handle:  # of a CP prefill aborted meanwhile
                 m.release()
                 continue
