@@ -68,6 +68,19 @@ def tiny_tool_model(tmp_path_factory) -> Path:
     return make_tool_checkpoint(tmp_path_factory.mktemp("mixtral_tools"))
 
 
+LONG_POSITIONS = 16384 + 64  # a 16k-token prompt and a few tokens after it
+
+
+@pytest.fixture(scope="session")
+def long_archs(tmp_path_factory) -> dict[str, Path]:
+    """``four_archs`` whose context holds a 16k-token prompt (``LONG_POSITIONS``): context parallelism's."""
+    root, n = tmp_path_factory.mktemp("long_archs"), LONG_POSITIONS
+    return {"mixtral": make_checkpoint(root / "mixtral", "mixtral", max_position_embeddings=n),
+            "qwen3_moe": make_checkpoint(root / "qwen3", "qwen3_moe", max_position_embeddings=n),
+            "deepseek_v3": make_deepseek_checkpoint(root / "ds3", 3, max_position_embeddings=n),
+            "gpt_oss": make_gpt_oss_checkpoint(root / "gpt_oss", max_position_embeddings=n)}
+
+
 @pytest.fixture(scope="session")
 def four_archs(tmp_path_factory) -> dict[str, Path]:
     """Tiny checkpoints of Mixtral, Qwen3-MoE, DeepSeek-V3 (MLA) and gpt-oss (sinks, windows), by name."""

@@ -12,38 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from afdserve.backends import choose
 from afdserve.backends.pytorch.cp_decode import sharded_attention, sharded_latent
 from afdserve.backends.pytorch.cp_half import cp_attention, cp_latent
 from afdserve.backends.pytorch.ring import RingAttention
 from afdserve.backends.step import AttnContext, CPContext, StepBuffers, StepLayout
 from afdserve.engine.cp import CPShard, compact_slots, cp_layout, sharded_layout
-from afdserve.kvcache.cache import KVCache
 from afdserve.kvcache.cp_split import zigzag
 from afdserve.kvcache.fp8 import FP8
 from afdserve.model.mla import MLAPart
-from afdserve.model.model import AttentionModel
+from test_cp_attention import BS, BLOCKS, TOL, _cache, _layer, _model, _Ring  # the CP halves' test's pieces
 
-BS, BLOCKS = 4, 24
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-class _Ring:
-    """An in-process pass-KV ring (as in test_cp_attention)."""
-
-    def __init__(self, inboxes, rank):
-        self.inboxes, self.rank, self.next = inboxes, rank, (rank + 1) % len(inboxes)
-
-    def send(self, layer, parts, positions):
-        self.inboxes[self.next].put((layer, self.rank, parts, positions))
-
-    def receive(self, layer):
-        for _ in range(len(self.inboxes) - 1):
-            got, origin, parts, positions = self.inboxes[self.rank].get(timeout=30)
-            assert got == layer
-            if origin != self.next:
-                self.inboxes[self.next].put((got, origin, parts, positions))
-            yield origin, parts, positions
 
 
 class _Peers:
@@ -59,22 +37,6 @@ class _Peers:
         q, pos = self.asked.pop(layer)
         return [self.model.shard_partial(layer, kv, q, pos, torch.from_numpy(slots), torch.from_numpy(kpos))
                 for kv, slots, kpos in self.helpers]
-
-
-def _model(path, fp8: bool) -> AttentionModel:
-    model = AttentionModel.load(path, "float32")
-    return model.prepare(choose("cpu", torch.float32, "torch", latent=model.cfg.mla is not None, fp8_kv=fp8))
-
-
-def _cache(cfg, dtype) -> KVCache:
-    return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCKS, BS, dtype, cfg.kv_latent_dim)
-
-
-def _layer(model, l, x, ctx, kv):
-    part = model.attn[l]
-    if isinstance(part, MLAPart):
-        return (*part(x, ctx, kv.latent(l)), None)
-    return part(x, ctx, kv.keys(l), kv.values(l))
 
 
 def _sharded_prefill(model, x, shards, tables, kv_dtype):
@@ -115,7 +77,7 @@ def _sharded_prefill(model, x, shards, tables, kv_dtype):
                                         ("gpt_oss", 3, False), ("deepseek_v3", 2, False), ("deepseek_v3", 3, False),
                                         ("mixtral", 2, True), ("gpt_oss", 3, True), ("deepseek_v3", 2, True)])
 def test_sharded_decode_equals_the_normal_decode(four_archs, arch, N, fp8):
-    model = _model(four_archs[arch], fp8)
+    model = _model(four_archs[arch], "torch", fp8)
     cfg, n, steps = model.cfg, 37, 3  # longer than gpt-oss's window (8): some shards fall out of it
     kv_dtype = FP8 if fp8 else torch.float32
     g = torch.Generator().manual_seed(N + 10 * fp8)
