@@ -10,6 +10,6 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-"${PYTEST[@]}"
+"${PYTEST[@]}" --durations=30  # the slowest tests: where the suite's time goes
 echo "afdserve: the torch_backend tests again on the torch backends (AFDSERVE_KERNELS=0)"
 AFDSERVE_KERNELS=0 "${PYTEST[@]}" -m torch_backend
