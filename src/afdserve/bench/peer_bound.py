@@ -28,19 +28,25 @@ import torch
 from afdserve.model.config import ModelConfig
 
 
-def memcpy_bytes_per_s(nbytes: int = 256 << 20, reps: int = 7, threads: int | None = None) -> float:
-    """Bytes moved per second (read + written) by copying a ``nbytes`` tensor, median of ``reps``."""
+def memcpy_bytes_per_s(nbytes: int = 256 << 20, reps: int = 7, threads: int | None = None,
+                       device: str = "cpu") -> float:
+    """Bytes moved per second (read + written) by copying a ``nbytes`` tensor on ``device``, median
+    of ``reps`` (on a GPU: a device-to-device copy, timed between synchronizations)."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     old = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
+        src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         dst.copy_(src)  # first touch of dst's pages
         times = []
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             dst.copy_(src)
+            sync()
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(old)
@@ -75,6 +81,20 @@ class WeightBytes:
                    head=(h + cfg.vocab_size * h) * dtype_bytes, embedding_row=h * dtype_bytes)
 
 
+def kv_token_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """K and V of one token, every layer."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def step_bytes(cfg: ModelConfig, batch: int, kv_len: float, touched: float,
+               dtype_bytes: int = 2) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one decode step of ``batch`` sequences reads, each attending over
+    ``kv_len`` positions, ``touched`` distinct experts per layer."""
+    w = WeightBytes.of(cfg, dtype_bytes)
+    weights = cfg.num_layers * (w.attention_layer + touched * w.expert) + w.head + batch * w.embedding_row
+    return weights, batch * kv_len * kv_token_bytes(cfg, dtype_bytes)
+
+
 @dataclass(frozen=True)
 class Bound:
     """The bound of one point (batch, prompt length, new tokens)."""
@@ -101,9 +121,9 @@ def run_bound(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int, ba
         basis = "all" if round(touched, 2) >= e else "expected"
     else:
         basis = "routed"
-    kv_token = layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes  # K and V, every layer
+    kv_token = kv_token_bytes(cfg, dtype_bytes)
     steps = new_tokens - 1
-    weights = layers * (w.attention_layer + touched * w.expert) + w.head + batch * w.embedding_row
+    weights = step_bytes(cfg, batch, 0, touched, dtype_bytes)[0]
     # decode step j = 2..n attends over prompt_len + j - 1 positions
     kv_reads = sum(batch * (prompt_len + j - 1) * kv_token for j in range(2, new_tokens + 1))
     prefill = (layers * (w.attention_layer + expected_experts(e, k, batch * prompt_len) * w.expert) + w.head

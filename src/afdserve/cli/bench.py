@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 BENCHES = {"m2n": "afdserve.cli.bench_m2n", "serve": "afdserve.cli.bench_serve", "kv": "afdserve.cli.bench_kv",
-           "pd": "afdserve.cli.bench_pd", "cp": "afdserve.cli.bench_cp"}
+           "pd": "afdserve.cli.bench_pd", "cp": "afdserve.cli.bench_cp", "gpu": "afdserve.cli.bench_gpu"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
