@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         self.prefix_offset: int | None = None
         self.read_offset = len(self.ids)
         self.prefix: str | None = None  # the text of ids[prefix_offset:read_offset], once decoded
+        self.pairs: dict[tuple[int, int], str] | None = None  # texts of two-token windows (``extend_all``)
         texts = {} if tokenizer is None else _TOKEN_TEXTS.setdefault(tokenizer, {})
         self.texts: dict[int, str] = texts.setdefault(skip_special_tokens, {})
 
@@ -71,7 +72,11 @@ class IncrementalDetokenizer:
         prefix = self.prefix
         if prefix is None:
             prefix = self.prefix = self._prefix()
-        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
+        full = None
+        if self.pairs is not None and len(self.ids) - self.prefix_offset == 2:
+            full = self.pairs.get((self.ids[-2], token_id))
+        if full is None:
+            full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset, self.read_offset, self.prefix = self.read_offset, len(self.ids), None
             return full[len(prefix) :]
@@ -86,9 +91,10 @@ class IncrementalDetokenizer:
 def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]]) -> list[str]:
     """``detoks[i].extend(token_ids[i])`` for every i: one batch decode of the windows (in Rust, on
     all cores, without the GIL) where their text is whole; ``step`` by ``step`` where it holds a
-    replacement character (byte pieces decode differently alone and in runs). A later call starts
-    from a fresh window, so for text that is not whole what follows may differ from stepping: exact
-    for a request detokenized once, when it finishes."""
+    replacement character (byte pieces decode differently alone and in runs), with the texts of the
+    windows of two tokens it mostly decodes (where text came out at the two tokens before) decoded
+    ahead in one batch. A later call starts from a fresh window, so for text that is not whole what
+    follows may differ from stepping: exact for a request detokenized once, when it finishes."""
     out = [""] * len(detoks)
     todo = [i for i, d in enumerate(detoks) if token_ids[i]]
     for i in todo:
@@ -117,11 +123,16 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
         d = detoks[i]
         out[i] = full_of[i][len(d.prefix):]
         d.prefix_offset, d.read_offset, d.prefix = None, len(d.ids), None  # found when more tokens come
-    for i in todo:
-        if "\ufffd" in full_of[i]:
-            d = detoks[i]
-            del d.ids[starts[i]:]
-            out[i] = "".join([d.step(t) for t in token_ids[i]])
+    garbled = [i for i in todo if "\ufffd" in full_of[i]]
+    for i in garbled:
+        del detoks[i].ids[starts[i]:]
+    pairs = list(dict.fromkeys(p for i in garbled for p in zip(detoks[i].ids[-1:] + token_ids[i], token_ids[i])))
+    texts = dict(zip(pairs, tok.decode_batch([list(p) for p in pairs], skip_special_tokens=skip)))
+    for i in garbled:
+        d = detoks[i]
+        d.pairs = texts
+        out[i] = "".join([d.step(t) for t in token_ids[i]])
+        d.pairs = None
     return out
 
 
