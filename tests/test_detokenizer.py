@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all
+from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all, settle
 from tiny_models import write_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog, again and again",
@@ -171,3 +171,14 @@ def test_stepping_and_extending_random_byte_streams_follow_the_definition(kind, 
         detoks = [IncrementalDetokenizer(tok, p, skip) for p, _, _ in batch]
         assert extend_all(detoks, [g for _, g, _ in batch]) == [w for _, _, w in batch]
     assert differ > 100
+    # the window starts in batch (``settle``) are those each finds alone: for random prompts and for
+    # texts cut anywhere (within a character's pieces too, whose start is found further back)
+    prompts = [p for p, _, _ in batch] + [ids[:cut] for text in TEXTS
+                                          for ids in [tok.encode(text, add_special_tokens=False).ids]
+                                          for cut in range(len(ids))]
+    detoks = [IncrementalDetokenizer(tok, p) for p in prompts]
+    settle(detoks)
+    starts = [IncrementalDetokenizer(tok, p)._window_start() for p in prompts]
+    assert [d.prefix_offset for d in detoks] == starts
+    assert sum(s < len(p) - 6 for s, p in zip(starts, prompts)) > 5
+    assert all(d.prefix in (None, tok.decode(d.ids[d.prefix_offset:])) for d in detoks)

@@ -137,9 +137,10 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
 
 
 def settle(detoks: list[IncrementalDetokenizer]) -> None:
-    """Finds the window start of each detokenizer that has none yet (``_window_start``) in batch
-    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of one
-    candidate start further back per round. All of one tokenizer."""
+    """Finds the window start of each detokenizer that has none yet (``_window_start``) in two batch
+    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of all
+    their candidate starts further back (for random token ids, few of them find one). All of one
+    tokenizer."""
     todo = []
     for d in detoks:
         if d.prefix_offset is not None:
@@ -157,15 +158,11 @@ def settle(detoks: list[IncrementalDetokenizer]) -> None:
             garbled.append(d)
         else:
             d.prefix_offset, d.prefix = len(d.ids) - 6, text
-    todo = [(d, len(d.ids) - 7) for d in garbled]  # each one's next candidate start, one further back
-    while todo:  # a round per candidate, for those whose windows so far held byte pieces
-        later = []
-        for (d, start), text in zip(todo, tok.decode_batch([d.ids[start:] for d, start in todo],
-                                                           skip_special_tokens=skip)):
-            if start == 0 or "\ufffd" not in text:
-                d.prefix_offset, d.prefix = start, text
-            elif start > max(len(d.ids) - MAX_LOOKBACK, 0):
-                later.append((d, start - 1))
-            else:  # none whole: from six back (``_window_start``)
-                d.prefix_offset = len(d.ids) - 6
-        todo = later
+    starts = [(d, start) for d in garbled for start in range(len(d.ids) - 7, max(len(d.ids) - MAX_LOOKBACK, 0) - 1, -1)]
+    texts = tok.decode_batch([d.ids[start:] for d, start in starts], skip_special_tokens=skip)
+    for (d, start), text in zip(starts, texts):
+        if d.prefix_offset is None and (start == 0 or "\ufffd" not in text):  # the first whole one
+            d.prefix_offset, d.prefix = start, text
+    for d in garbled:
+        if d.prefix_offset is None:  # none whole: from six back (``_window_start``)
+            d.prefix_offset = len(d.ids) - 6
