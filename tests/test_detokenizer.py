@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all
+from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all, settle
 from tiny_models import write_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog, again and again",
@@ -117,3 +117,68 @@ def test_tokens_added_at_once_give_the_streamed_text(kind, tmp_path):
     texts = extend_all(detoks, [g for _, g in batch] + [[7, 8]])
     assert texts == [_streamed(tok, p, g) for p, g in batch] + [""]
     assert detoks[-1].ids == [5, 7, 8]
+
+
+def _by_definition(tok: Tokenizer, prompt: list[int], gen: list[int], skip: bool) -> list[str]:
+    """Each token's text as stepping defines it, with both windows decoded afresh per token (what
+    ``step`` computes with fewer decodes: a prefix's text kept, a one-token prefix's looked up)."""
+    ids = list(prompt)
+    start, read = IncrementalDetokenizer(tok, prompt, skip)._window_start(), len(ids)
+    out = []
+    for t in gen:
+        ids.append(t)
+        prefix = tok.decode(ids[start:read], skip_special_tokens=skip)
+        full = tok.decode(ids[start:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            out.append(full[len(prefix):])
+            start, read = read, len(ids)
+        else:
+            out.append("")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_stepping_and_extending_random_byte_streams_follow_the_definition(kind, tmp_path):
+    """Random streams, heavy in byte pieces (stray ones: garbled text) and special tokens, after
+    prompts whose tails are garbled too: each token's text from ``step`` and the joined text from
+    ``extend_all`` (a batch of them, clean and garbled) are what the definition gives, with special
+    tokens skipped and kept (one tokenizer, so one cache of token texts for both)."""
+    if kind == "metaspace":
+        tok = _metaspace()
+        pieces = [tok.token_to_id(f"<0x{i:02X}>") for i in range(256)]
+    else:
+        write_tokenizer(tmp_path)
+        tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        pieces = [i for i in range(3, tok.get_vocab_size()) if "\ufffd" in tok.decode([i])]  # partial characters
+    assert len(pieces) > 50
+    rng = random.Random(2)
+
+    def draw() -> int:
+        r = rng.random()
+        return rng.randrange(0, 3) if r < 0.1 else rng.choice(pieces) if r < 0.5 else rng.randrange(3, tok.get_vocab_size())
+
+    differ = 0  # how many streams come out other than their whole decode past the prompt: garbled ones
+    for skip in (True, False):
+        batch = []
+        for _ in range(300):
+            prompt = [draw() for _ in range(rng.randrange(0, 30))]
+            gen = [draw() for _ in range(rng.randrange(1, 50))]
+            want = _by_definition(tok, prompt, gen, skip)
+            d = IncrementalDetokenizer(tok, prompt, skip)
+            assert [d.step(t) for t in gen] == want, (skip, prompt, gen)
+            batch.append((prompt, gen, "".join(want)))
+            differ += "".join(want) != tok.decode(prompt + gen, skip_special_tokens=skip)[len(tok.decode(prompt, skip_special_tokens=skip)):]
+        detoks = [IncrementalDetokenizer(tok, p, skip) for p, _, _ in batch]
+        assert extend_all(detoks, [g for _, g, _ in batch]) == [w for _, _, w in batch]
+    assert differ > 100
+    # the window starts in batch (``settle``) are those each finds alone: for random prompts and for
+    # texts cut anywhere (within a character's pieces too, whose start is found further back)
+    prompts = [p for p, _, _ in batch] + [ids[:cut] for text in TEXTS
+                                          for ids in [tok.encode(text, add_special_tokens=False).ids]
+                                          for cut in range(len(ids))]
+    detoks = [IncrementalDetokenizer(tok, p) for p in prompts]
+    settle(detoks)
+    starts = [IncrementalDetokenizer(tok, p)._window_start() for p in prompts]
+    assert [d.prefix_offset for d in detoks] == starts
+    assert sum(s < len(p) - 6 for s, p in zip(starts, prompts)) > 5
+    assert all(d.prefix in (None, tok.decode(d.ids[d.prefix_offset:])) for d in detoks)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from tokenizers import Tokenizer
 
 MAX_LOOKBACK = 24  # prompt tokens the first window may reach back, to start at a whole character
+# per tokenizer and skip_special_tokens: the text of each token decoded alone, once
+_TOKEN_TEXTS: WeakKeyDictionary[Tokenizer, dict[bool, dict[int, str]]] = WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
     """Emits the text of new tokens once it is complete (no dangling UTF-8 byte pieces).
 
     Decodes a short window of recent tokens, so the cost per token is constant and word-start
-    spaces (SentencePiece's metaspace) come out right.
+    spaces (SentencePiece's metaspace) come out right: per token, the text of the window (from
+    ``prefix_offset``) past that of its prefix (up to ``read_offset``), once it is longer and does
+    not end in a replacement character; the window then starts at the read offset. One decode per
+    token: the prefix's text is kept while the offsets stay, and that of a one-token prefix (the
+    common one, once text came out) is looked up (``_prefix``).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], skip_special_tokens: bool = True):
@@ -22,6 +30,10 @@ class IncrementalDetokenizer:
         # needed (``settle``: a batch of them at once, or never for a request that ends unread)
         self.prefix_offset: int | None = None
         self.read_offset = len(self.ids)
+        self.prefix: str | None = None  # the text of ids[prefix_offset:read_offset], once decoded
+        self.pairs: dict[tuple[int, int], str] | None = None  # texts of two-token windows (``extend_all``)
+        texts = {} if tokenizer is None else _TOKEN_TEXTS.setdefault(tokenizer, {})
+        self.texts: dict[int, str] = texts.setdefault(skip_special_tokens, {})
 
     def _window_start(self) -> int:
         """Where the first window starts: six tokens back, or further back up to ``MAX_LOOKBACK``, as
@@ -40,6 +52,16 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
+    def _prefix(self) -> str:
+        """The text of ids[prefix_offset:read_offset]; of one token, decoded once per tokenizer."""
+        if self.read_offset - self.prefix_offset != 1:
+            return self._decode(self.ids[self.prefix_offset : self.read_offset])
+        one = self.ids[self.prefix_offset]
+        text = self.texts.get(one)
+        if text is None:
+            text = self.texts[one] = self._decode([one])
+        return text
+
     def step(self, token_id: int) -> str:
         """Adds one token and returns the newly completed text (possibly empty)."""
         if self.prefix_offset is None:
@@ -47,12 +69,17 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if self.tok is None:
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        prefix = self.prefix
+        if prefix is None:
+            prefix = self.prefix = self._prefix()
+        full = None
+        if self.pairs is not None and len(self.ids) - self.prefix_offset == 2:
+            full = self.pairs.get((self.ids[-2], token_id))
+        if full is None:
+            full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return new
+            self.prefix_offset, self.read_offset, self.prefix = self.read_offset, len(self.ids), None
+            return full[len(prefix) :]
         return ""
 
     def extend(self, token_ids: list[int]) -> str:
@@ -62,10 +89,11 @@ class IncrementalDetokenizer:
 
 
 def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]]) -> list[str]:
-    """``detoks[i].extend(token_ids[i])`` for every i, with the tokenizer's batch decodes (in Rust, on
-    all cores, without the GIL): one decode of each window where its text is whole; token by token,
-    all of them in lockstep, where it holds a replacement character (byte pieces decode differently
-    alone and in runs). A later call starts from a fresh window, so for text that is not whole what
+    """``detoks[i].extend(token_ids[i])`` for every i: one batch decode of the windows (in Rust, on
+    all cores, without the GIL) where their text is whole; ``step`` by ``step`` where it holds a
+    replacement character (byte pieces decode differently alone and in runs), with the texts of the
+    windows of two tokens it mostly decodes (where text came out at the two tokens before) decoded
+    ahead in one batch. A later call starts from a fresh window, so for text that is not whole what
     follows may differ from stepping: exact for a request detokenized once, when it finishes."""
     out = [""] * len(detoks)
     todo = [i for i, d in enumerate(detoks) if token_ids[i]]
@@ -87,65 +115,32 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
     fulls = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:] for i in todo], skip_special_tokens=skip)
     whole = [i for i, full in zip(todo, fulls) if "\ufffd" not in full]
     full_of = dict(zip(todo, fulls))
-    prefixes = tok.decode_batch([detoks[i].ids[detoks[i].prefix_offset:detoks[i].read_offset] for i in whole],
-                                skip_special_tokens=skip)
-    for i, prefix in zip(whole, prefixes):
+    unknown = [detoks[i] for i in whole if detoks[i].prefix is None]  # (``settle`` decoded most)
+    for d, text in zip(unknown, tok.decode_batch([d.ids[d.prefix_offset:d.read_offset] for d in unknown],
+                                                 skip_special_tokens=skip)):
+        d.prefix = text
+    for i in whole:
         d = detoks[i]
-        out[i] = full_of[i][len(prefix):]
-        d.prefix_offset, d.read_offset = None, len(d.ids)  # found when more tokens come
+        out[i] = full_of[i][len(d.prefix):]
+        d.prefix_offset, d.read_offset, d.prefix = None, len(d.ids), None  # found when more tokens come
     garbled = [i for i in todo if "\ufffd" in full_of[i]]
     for i in garbled:
         del detoks[i].ids[starts[i]:]
-    for i, text in zip(garbled, _lockstep(tok, skip, [detoks[i] for i in garbled], [token_ids[i] for i in garbled])):
-        out[i] = text
-    return out
-
-
-def _lockstep(tok: Tokenizer, skip: bool, detoks: list[IncrementalDetokenizer],
-              token_ids: list[list[int]]) -> list[str]:
-    """``step`` over each detokenizer's tokens, all of them in lockstep: per token, one batch decode
-    of their windows (a prefix window only when it moved; a window of one token, the common one after
-    text came out, from each token's text decoded once)."""
-    order = sorted(range(len(detoks)), key=lambda j: -len(token_ids[j]))  # the longest first
-    ids = [detoks[j].ids for j in order]
-    toks = [token_ids[j] for j in order]
-    po = [detoks[j].prefix_offset for j in order]
-    ro = [detoks[j].read_offset for j in order]
-    pieces: list[list[str]] = [[] for _ in order]
-    known: list[str | None] = [None] * len(order)  # the prefix window's text, while its offsets stay
-    single: dict[int, str] = {}  # the text of one token alone
-    live = len(order)
-    for k in range(len(toks[0]) if toks else 0):
-        while len(toks[live - 1]) <= k:
-            live -= 1
-        for j in range(live):
-            ids[j].append(toks[j][k])
-        fresh = [j for j in range(live) if known[j] is None]
-        ones = list(dict.fromkeys(ids[j][po[j]] for j in fresh if ro[j] - po[j] == 1 and ids[j][po[j]] not in single))
-        single.update(zip(ones, tok.decode_batch([[t] for t in ones], skip_special_tokens=skip)))
-        many = [j for j in fresh if ro[j] - po[j] != 1]
-        for j, text in zip(many, tok.decode_batch([ids[j][po[j]:ro[j]] for j in many], skip_special_tokens=skip)):
-            known[j] = text
-        for j in fresh:
-            if ro[j] - po[j] == 1:
-                known[j] = single[ids[j][po[j]]]
-        full = tok.decode_batch([ids[j][po[j]:] for j in range(live)], skip_special_tokens=skip)
-        for j, f in enumerate(full):
-            p = known[j]
-            if len(f) > len(p) and not f.endswith("\ufffd"):
-                pieces[j].append(f[len(p):])
-                po[j], ro[j], known[j] = ro[j], len(ids[j]), None
-    out = [""] * len(detoks)
-    for j, i in enumerate(order):
-        detoks[i].prefix_offset, detoks[i].read_offset = po[j], ro[j]
-        out[i] = "".join(pieces[j])
+    pairs = list(dict.fromkeys(p for i in garbled for p in zip(detoks[i].ids[-1:] + token_ids[i], token_ids[i])))
+    texts = dict(zip(pairs, tok.decode_batch([list(p) for p in pairs], skip_special_tokens=skip)))
+    for i in garbled:
+        d = detoks[i]
+        d.pairs = texts
+        out[i] = "".join([d.step(t) for t in token_ids[i]])
+        d.pairs = None
     return out
 
 
 def settle(detoks: list[IncrementalDetokenizer]) -> None:
-    """Finds the window start of each detokenizer that has none yet (``_window_start``) in batch
-    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of one
-    candidate start further back per round. All of one tokenizer."""
+    """Finds the window start of each detokenizer that has none yet (``_window_start``) in two batch
+    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of all
+    their candidate starts further back (for random token ids, few of them find one). All of one
+    tokenizer."""
     todo = []
     for d in detoks:
         if d.prefix_offset is not None:
@@ -162,16 +157,12 @@ def settle(detoks: list[IncrementalDetokenizer]) -> None:
         if "\ufffd" in text:
             garbled.append(d)
         else:
+            d.prefix_offset, d.prefix = len(d.ids) - 6, text
+    starts = [(d, start) for d in garbled for start in range(len(d.ids) - 7, max(len(d.ids) - MAX_LOOKBACK, 0) - 1, -1)]
+    texts = tok.decode_batch([d.ids[start:] for d, start in starts], skip_special_tokens=skip)
+    for (d, start), text in zip(starts, texts):
+        if d.prefix_offset is None and (start == 0 or "\ufffd" not in text):  # the first whole one
+            d.prefix_offset, d.prefix = start, text
+    for d in garbled:
+        if d.prefix_offset is None:  # none whole: from six back (``_window_start``)
             d.prefix_offset = len(d.ids) - 6
-    todo = [(d, len(d.ids) - 7) for d in garbled]  # each one's next candidate start, one further back
-    while todo:  # a round per candidate, for those whose windows so far held byte pieces
-        later = []
-        for (d, start), text in zip(todo, tok.decode_batch([d.ids[start:] for d, start in todo],
-                                                           skip_special_tokens=skip)):
-            if start == 0 or "\ufffd" not in text:
-                d.prefix_offset = start
-            elif start > max(len(d.ids) - MAX_LOOKBACK, 0):
-                later.append((d, start - 1))
-            else:  # none whole: from six back (``_window_start``)
-                d.prefix_offset = len(d.ids) - 6
-        todo = later
