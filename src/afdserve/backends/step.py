@@ -90,6 +90,7 @@ class StepBuffers:
         self.device = torch.device(device)
         self.on_host = self.device.type == "cpu"
         self._host: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}  # the host tensors as numpy arrays (one memory)
         self._dev: dict[str, torch.Tensor] = {}
         self._copied: torch.cuda.Event | None = None
 
@@ -101,20 +102,24 @@ class StepBuffers:
 
     def stage(self, name: str, array: np.ndarray) -> torch.Tensor:
         """``array``'s values on the device, in buffer ``name`` (a view of its first elements, shaped
-        like ``array``)."""
+        like ``array``). On the CPU the values are copied by numpy into the buffer's array (a torch
+        copy of a step's small arrays costs several times more, each of them every step)."""
         n = int(array.size)
-        src = torch.from_numpy(np.ascontiguousarray(array))
+        src = np.ascontiguousarray(array)
         host = self._host.get(name)
-        if host is None or host.dtype != src.dtype or host.numel() < n:
+        if host is None or self._arrays[name].dtype != src.dtype or host.numel() < n:
             size = max(n, 1 if host is None else 2 * host.numel())
-            host = torch.empty(size, dtype=src.dtype, pin_memory=not self.on_host and torch.cuda.is_available())
-            self._host[name] = host
+            host = torch.empty(size, dtype=torch.from_numpy(src[:0].reshape(0)).dtype,
+                               pin_memory=not self.on_host and torch.cuda.is_available())
+            self._host[name], self._arrays[name] = host, host.numpy()
             if not self.on_host:
-                self._dev[name] = torch.empty(size, dtype=src.dtype, device=self.device)
-        view = host[:n].view(src.shape)
-        view.copy_(src)
+                self._dev[name] = torch.empty(size, dtype=host.dtype, device=self.device)
         if self.on_host:
-            return view
+            dst = self._arrays[name][:n].reshape(src.shape)
+            np.copyto(dst, src)
+            return torch.from_numpy(dst)
+        view = host[:n].view(src.shape)
+        view.copy_(torch.from_numpy(src))
         dev = self._dev[name][:n].view(src.shape)
         dev.copy_(view, non_blocking=True)
         return dev

@@ -71,8 +71,10 @@ def stage(model: AttentionModel, inp: ModelInput, buffers: StepBuffers, ring: Ri
     return ctx, ids, rows
 
 
-def head(model: AttentionModel, x: torch.Tensor, greedy: bool) -> ModelOutput:
-    """The LM head over the final hidden states of the sampled rows, in one call."""
+def head(model: AttentionModel, x: torch.Tensor, rows: torch.Tensor, greedy: bool) -> ModelOutput:
+    """The LM head over the final hidden states ``x`` of the step's ``rows`` (ascending, distinct:
+    all of them are every row, as in a decode step, and x is taken as it is), in one call."""
+    x = x if rows.shape[0] == x.shape[0] else x[rows]
     return ModelOutput(token_ids=model.greedy(x)) if greedy else ModelOutput(logits=model.logits(x))
 
 
@@ -113,4 +115,4 @@ class ModelRunner:
             h, y, ids, w = m.pre_moe(layer, x, ctx, self.kv)
             # a dense layer (ids None) has its MLP here: nothing goes to the experts
             x = m.post_moe(layer, h, y, None if ids is None else self.moe(layer, y, ids, w))
-        return head(m, x[rows], inp.greedy)
+        return head(m, x, rows, inp.greedy)

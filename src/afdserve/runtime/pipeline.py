@@ -210,7 +210,7 @@ class PipelinedRunner:
             else:
                 ring.send_hidden(x)
         with tr.span("attention", mb=lane, layer=m.cfg.num_layers, phase="lm_head"):
-            return head(m, x[rows], inp.greedy)
+            return head(m, x, rows, inp.greedy)
 
     def attended(self, layer: int, batch: Batch | None) -> None:
         """The step's attention of ``layer`` is done (its KV written): nothing to do here (a prefill

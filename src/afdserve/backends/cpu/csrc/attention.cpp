@@ -12,8 +12,10 @@
 // Work items are tiles of up to 16 query vectors (tokens x heads of one key head) over one
 // sequence, taken dynamically by the threads. A tile's keys are read in chunks of 16 and transposed,
 // so its scores are 16 keys wide: bfloat16 keys with AVX512-BF16 as they are, in pairs of dimensions
-// (vdpbf16ps), others converted to float32 (FMAs). The softmax takes two passes over the tile's
-// scores (their maximum first); values are accumulated per query vector over the probabilities.
+// (vdpbf16ps), others converted to float32 (FMAs); with AVX2 a tile of one vector (a decode's, one
+// query head per key head) transposes its keys 8 x 8 in registers and uses them at once. The
+// softmax takes two passes over the tile's scores (their maximum first); values are accumulated per
+// query vector over the probabilities.
 #include "attention_vec.h"
 #include "calls.h"
 #include "vec.h"
@@ -84,7 +86,7 @@ inline int64_t first_key(const Tile& tl, const Batch& bt) {
 // Scores of R query vectors (rows of `qf`, stride `ld`) against one chunk of 16 keys (`kt`:
 // [dim][16] float32): s[r] = sum_d qf[r][d] * kt[d]
 template <int R>
-inline void chunk_scores(const float* qf, int64_t ld, const float* kt, int64_t hd, V16* s) {
+AFD_INLINE void chunk_scores(const float* qf, int64_t ld, const float* kt, int64_t hd, V16* s) {
   V16 c[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) c[r] = vzero();
@@ -97,10 +99,35 @@ inline void chunk_scores(const float* qf, int64_t ld, const float* kt, int64_t h
   for (int r = 0; r < R; ++r) s[r] = c[r];
 }
 
+#if defined(AFD_AVX2)
+// 8 elements of T as floats
+AFD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AFD_INLINE __m256 load8(const at::BFloat16* p) { return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+AFD_INLINE __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// The scores of one query vector (`qf`, float32) against 8 keys (rows `kr`, nullptr: none, 0):
+// lane j is sum_d qf[d] * k_j[d] in the order of d, as chunk_scores<1> gives it. The keys are
+// transposed 8 dimensions at a time in registers and used at once (a tile of one vector uses each
+// transposed key once: nothing to keep for other vectors). hd: a multiple of 8.
+template <typename T>
+AFD_INLINE __m256 one_scores8(const float* qf, const T* const* kr, int64_t hd) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+    __m256 k[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) k[j] = kr[j] == nullptr ? _mm256_setzero_ps() : load8(kr[j] + d0);
+    transpose8(k);  // k[d]: dimension d0 + d of the 8 keys
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) acc = _mm256_fmadd_ps(_mm256_set1_ps(qf[d0 + d]), k[d], acc);
+  }
+  return acc;
+}
+#endif
+
 // acc[r] += sum_j p[r][j] * v_j over the chunk's nk keys, for RB query vectors, 32 dimensions at
 // a time (each value row is read once for all of them)
 template <typename T, int RB>
-inline void chunk_values(const float* p, int nk, const int64_t* slots, const T* vc, int64_t nkv, int64_t g,
+AFD_INLINE void chunk_values(const float* p, int nk, const int64_t* slots, const T* vc, int64_t nkv, int64_t g,
                          int64_t hd, float* acc, int64_t ld) {
   for (int64_t d0 = 0; d0 < hd; d0 += 32) {
     const int n0 = static_cast<int>(std::min<int64_t>(16, hd - d0));
@@ -206,6 +233,16 @@ void attend_tile(const Tile& tl, const Batch& bt, const T* q, const T* kc, const
         for (int r = 0; r < R; ++r) s[r] = vmul(s[r], vset1(bt.scale));
       }
     }
+#endif
+#if defined(AFD_AVX2)
+    if (R == 1 && hd % 8 == 0) {  // one vector: its keys transposed and used in registers
+      const T* kr[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t sl = j < nk ? slots[c0 + j] : -1;
+        kr[j] = sl < 0 ? nullptr : kc + (sl * nkv + tl.kv_head) * hd;
+      }
+      s[0] = {one_scores8<T>(qf, kr, hd), one_scores8<T>(qf, kr + 8, hd)};
+    } else
 #endif
     if (!by_pairs) {
       for (int64_t d = 0; d < nd; ++d) {  // the chunk's keys as float32, transposed: kt[dim][key]

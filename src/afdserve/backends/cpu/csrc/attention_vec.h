@@ -53,7 +53,7 @@ inline V16 keep_or_minf(Keep k, V16 v) { return _mm512_mask_mov_ps(_mm512_set1_p
 
 #else  // AFD_AVX2
 
-inline void transpose8(__m256 r[8]) {
+AFD_INLINE void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -72,7 +72,7 @@ inline void transpose8(__m256 r[8]) {
 }
 
 // 16 rows of 16 floats transposed, as four 8x8 blocks
-inline void transpose16(V16 r[16]) {
+AFD_INLINE void transpose16(V16 r[16]) {
   __m256 a[8], b[8], c[8], d[8];
   for (int i = 0; i < 8; ++i) a[i] = r[i].lo, b[i] = r[i + 8].lo, c[i] = r[i].hi, d[i] = r[i + 8].hi;
   transpose8(a), transpose8(b), transpose8(c), transpose8(d);
@@ -80,11 +80,11 @@ inline void transpose16(V16 r[16]) {
 }
 
 using Keep = uint32_t;  // a bit per lane
-inline Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
+AFD_INLINE Keep keep_range(int64_t c0, int64_t lo, int64_t hi) {
   const int64_t j0 = std::max<int64_t>(0, lo - c0), j1 = std::min<int64_t>(15, hi - c0);
   return j0 > j1 ? 0u : ((2u << j1) - 1u) & ~((1u << j0) - 1u);
 }
-inline V16 keep_or_minf(Keep k, V16 v) {
+AFD_INLINE V16 keep_or_minf(Keep k, V16 v) {
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i lo = _mm256_set1_epi32(static_cast<int32_t>(k & 0xffu)), hi = _mm256_set1_epi32(static_cast<int32_t>(k >> 8));
   const __m256 ml = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lo, bit), bit));

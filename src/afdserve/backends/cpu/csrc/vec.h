@@ -21,6 +21,10 @@
 #define AFD_VEC 1
 #endif
 
+// helpers that take or return vectors are always inlined (with AVX2 a V16, two __m256, crosses a
+// call through memory: exp16 and the attention kernel's chunk helpers were calls)
+#define AFD_INLINE inline __attribute__((always_inline))
+
 namespace afd {
 
 #if defined(__AVX512F__)
@@ -132,19 +136,19 @@ inline float vhmax(V16 v) { return _mm512_reduce_max_ps(v); }
 struct V16 {
   __m256 lo, hi;
 };
-inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V16 vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
-inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void vstore(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
-inline void vstream(float* p, V16 v) { _mm256_stream_ps(p, v.lo), _mm256_stream_ps(p + 8, v.hi); }
+AFD_INLINE V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+AFD_INLINE V16 vset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+AFD_INLINE V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+AFD_INLINE void vstore(float* p, V16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+AFD_INLINE void vstream(float* p, V16 v) { _mm256_stream_ps(p, v.lo), _mm256_stream_ps(p + 8, v.hi); }
 constexpr int64_t kStreamAlign = 32;
-inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
-inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline float vsum(V16 v) {
+AFD_INLINE V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+AFD_INLINE V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+AFD_INLINE V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+AFD_INLINE V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+AFD_INLINE V16 vmin(V16 a, V16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+AFD_INLINE V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+AFD_INLINE float vsum(V16 v) {
   __m256 s = _mm256_add_ps(v.lo, v.hi);
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -154,17 +158,17 @@ inline float vsum(V16 v) {
 
 // lanes where v is not <= t (larger, or a NaN), equal to t, or NaN, as bits; the largest lane (no NaN)
 template <int kCmp>
-inline uint32_t vbits(V16 v, __m256 t) {
+AFD_INLINE uint32_t vbits(V16 v, __m256 t) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.lo, t, kCmp)))
          | static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.hi, t, kCmp))) << 8;
 }
-inline uint32_t vexceeds(V16 v, float t) { return vbits<_CMP_NLE_UQ>(v, _mm256_set1_ps(t)); }
-inline uint32_t vequal(V16 v, float t) { return vbits<_CMP_EQ_OQ>(v, _mm256_set1_ps(t)); }
-inline uint32_t visnan(V16 v) {
+AFD_INLINE uint32_t vexceeds(V16 v, float t) { return vbits<_CMP_NLE_UQ>(v, _mm256_set1_ps(t)); }
+AFD_INLINE uint32_t vequal(V16 v, float t) { return vbits<_CMP_EQ_OQ>(v, _mm256_set1_ps(t)); }
+AFD_INLINE uint32_t visnan(V16 v) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q)))
          | static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q))) << 8;
 }
-inline float vhmax(V16 v) {
+AFD_INLINE float vhmax(V16 v) {
   const __m256 m = _mm256_max_ps(v.lo, v.hi);
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
@@ -172,7 +176,7 @@ inline float vhmax(V16 v) {
 }
 
 // the first n lanes of `take`, the others of `keep`
-inline V16 vfirst(V16 keep, V16 take, int n) {
+AFD_INLINE V16 vfirst(V16 keep, V16 take, int n) {
   const __m256i n8 = _mm256_set1_epi32(n), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, iota));
   const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(n8, _mm256_add_epi32(iota, _mm256_set1_epi32(8))));
@@ -180,21 +184,21 @@ inline V16 vfirst(V16 keep, V16 take, int n) {
 }
 
 // 16 (or n < 16, the rest 0) elements of T as floats
-inline V16 load16(const float* p, int n = 16) {
+AFD_INLINE V16 load16(const float* p, int n = 16) {
   if (n >= 16) return vload(p);
   alignas(32) float t[16] = {};
   std::memcpy(t, p, sizeof(float) * (n > 0 ? n : 0));
   return vload(t);
 }
-inline __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-inline V16 load16(const at::BFloat16* p, int n = 16) {
+AFD_INLINE __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+AFD_INLINE V16 load16(const at::BFloat16* p, int n = 16) {
   alignas(32) uint16_t t[16] = {};
   const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
   if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
   return {bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
           bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)))};
 }
-inline V16 load16(const at::Half* p, int n = 16) {
+AFD_INLINE V16 load16(const at::Half* p, int n = 16) {
   alignas(32) uint16_t t[16] = {};
   const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
   if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
@@ -203,7 +207,7 @@ inline V16 load16(const at::Half* p, int n = 16) {
 }
 
 // float -> bfloat16 rounded to nearest even (NaN kept a NaN), as at::BFloat16 does: 16 values
-inline __m256i bf16_bits(__m256 v) {  // 8 values in the low halves of 32-bit lanes
+AFD_INLINE __m256i bf16_bits(__m256 v) {  // 8 values in the low halves of 32-bit lanes
   __m256i u = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
@@ -211,22 +215,22 @@ inline __m256i bf16_bits(__m256 v) {  // 8 values in the low halves of 32-bit la
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
   return _mm256_srli_epi32(r, 16);
 }
-inline __m256i to_bf16(V16 v) {
+AFD_INLINE __m256i to_bf16(V16 v) {
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(v.lo), bf16_bits(v.hi)), 0xd8);
 }
 
-inline void store16(float* p, V16 v, int n = 16) {
+AFD_INLINE void store16(float* p, V16 v, int n = 16) {
   if (n >= 16) return vstore(p, v);
   alignas(32) float t[16];
   vstore(t, v);
   std::memcpy(p, t, sizeof(float) * (n > 0 ? n : 0));
 }
-inline void store16(at::BFloat16* p, V16 v, int n = 16) {
+AFD_INLINE void store16(at::BFloat16* p, V16 v, int n = 16) {
   alignas(32) uint16_t t[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(t), to_bf16(v));
   std::memcpy(p, t, sizeof(uint16_t) * (n < 16 ? (n > 0 ? n : 0) : 16));
 }
-inline void store16(at::Half* p, V16 v, int n = 16) {
+AFD_INLINE void store16(at::Half* p, V16 v, int n = 16) {
   alignas(32) uint16_t t[16];
   constexpr int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   _mm_store_si128(reinterpret_cast<__m128i*>(t), _mm256_cvtps_ph(v.lo, rnd));
@@ -236,7 +240,7 @@ inline void store16(at::Half* p, V16 v, int n = 16) {
 
 // exp of 8 floats, as exp16 of the AVX-512 build: 2^n applied in two factors (each a normal
 // float), so that results down through the denormals come out as scalef gives them
-inline __m256 exp8(__m256 x) {
+AFD_INLINE __m256 exp8(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.7228f), lo = _mm256_set1_ps(-104.0f);
   __m256 c = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
   __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
@@ -259,8 +263,8 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
-inline V16 exp16(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
-inline V16 sigmoid16(V16 x) {
+AFD_INLINE V16 exp16(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+AFD_INLINE V16 sigmoid16(V16 x) {
   const V16 one = vset1(1.0f);
   V16 d = vadd(one, exp16(vsub(vzero(), x)));
   return {_mm256_div_ps(one.lo, d.lo), _mm256_div_ps(one.hi, d.hi)};
