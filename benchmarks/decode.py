@@ -14,14 +14,20 @@ batch B (fresh prompts, ``--max-tokens`` new tokens, greedy, ``--dtype``) it spl
 (``OutputProcessor.process``: detokenization, output objects) and the rest (request intake, the
 loop), per step of the batch, medians of ``--repeats`` runs. ``--host-model``: peers.py's
 near-free checkpoint (its forward costs almost nothing), so what remains is host work.
+``--busy K``: K other processes spin on the CPU meanwhile (a shared machine); OpenMP's spinning is
+set by ``GOMP_SPINCOUNT`` in the environment (afdserve's default 3000 where it is imported before
+torch; this script imports torch first, so set it to compare, e.g. 300000, libgomp's own default).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -123,7 +129,18 @@ def main() -> None:
                     help="instead: the parts of a colocated step at batch B (host work, see above)")
     ap.add_argument("--host-model", action="store_true", help="peers.py's near-free checkpoint (HOST_MODEL)")
     ap.add_argument("--dtype", default="bfloat16", help="--parts: the engine's dtype")
+    ap.add_argument("--busy", type=int, default=0, metavar="K", help="K processes spin on the CPU meanwhile")
     args = ap.parse_args()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     from afdserve import LLM
@@ -137,12 +154,15 @@ def main() -> None:
     if args.parts:
         res = parts(path, args.parts, args.prompt_len, args.max_tokens, args.repeats, args.threads, args.dtype)
         print(f"model {path}  threads {args.threads}  batch {args.parts}  prompt {args.prompt_len}  "
-              f"new tokens {args.max_tokens}  (ms per step, median of {args.repeats})")
+              f"new tokens {args.max_tokens}  busy {args.busy}  GOMP_SPINCOUNT "
+              f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}  (ms per step, median of {args.repeats})")
         print("  ".join(f"{k} {v * 1e3:.2f}" for k, v in res.items()))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                                       "torch": torch.__version__}, "model": str(path), "batch": args.parts,
+                                       "torch": torch.__version__, "busy": args.busy,
+                                       "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")},
+                           "model": str(path), "batch": args.parts,
                            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "dtype": args.dtype,
                            "ms_per_step": {k: v * 1e3 for k, v in res.items()}}, f, indent=1)
             print(f"wrote {args.json}")
@@ -177,8 +197,6 @@ def main() -> None:
               f"{row.get('speedup', float('nan')):>7.2f}x")
     llm.shutdown()
     if args.json:
-        import os
-
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,

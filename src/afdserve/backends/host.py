@@ -57,12 +57,6 @@ def create_share(cfg: EngineConfig) -> Share | None:
     return CoreBoard.create()
 
 
-def worker_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment of a local worker that inherits the machine's share: OpenMP threads spin only
-    briefly after a parallel region, so a core lent to another worker's kernel goes back at once."""
-    return {"GOMP_SPINCOUNT": "3000"} | env
-
-
 def join(fd: int | None, role: str, index: int, threads: int) -> WorkerHooks:
     """A worker's hooks on the share it inherited as ``fd`` (None: none, the hooks do nothing)."""
     if fd is None:

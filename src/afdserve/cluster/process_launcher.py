@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
-from afdserve.backends import host
 from afdserve.errors import WorkerError
 from afdserve.runtime.control import ControlChannel
 from afdserve.runtime.messages import ToWorker, WorkerSpec
@@ -124,8 +123,6 @@ def spawn_worker(spec: WorkerSpec) -> Launched:
     address = os.path.join(sock_dir, "ctl")
     with Listener(address, family="AF_UNIX", authkey=key) as listener:
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.config.num_threads or 1))
-        if spec.host_share is not None:  # what the machine's share asks of its workers' environment
-            env = host.worker_env(env)
         # started from one long-lived thread: the child's PR_SET_PDEATHSIG fires when the *thread*
         # that forked it ends, and a replacement may be launched from a short-lived caller thread
         proc = _SPAWNER.submit(subprocess.Popen, [sys.executable, "-c", _CHILD, address, str(os.getpid())],
