@@ -99,9 +99,9 @@ Runner = Callable[[list[list[int]], int, bool], tuple[list[list[int]], list[floa
 
 
 def _afdserve(cfg: Load) -> tuple[Runner, dict[str, Any]]:
-    import torch
+    from afdserve import LLM, SamplingParams  # first, as a user's script does: its OpenMP defaults apply
 
-    from afdserve import LLM, SamplingParams
+    import torch
 
     if cfg.expert_workers:  # the front end only detokenizes; the workers compute
         torch.set_num_threads(1)
