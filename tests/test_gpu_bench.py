@@ -14,15 +14,16 @@ import pytest
 from safetensors import safe_open
 
 from afdserve.bench.gpu import TINY, build_model, hf_config, make_plan, new_tokens, save_checkpoint
-from afdserve.bench.gpu_trace import STEP_MARK, analyze, union_us
+from afdserve.bench.gpu_trace import STEP_MARK, analyze
 from afdserve.bench.peer_bound import kv_token_bytes, step_bytes
 from afdserve.model.config import ModelConfig
+from afdserve.runtime.trace_plot import union_length
 
 
 def test_union_of_intervals():
-    assert union_us([]) == 0
-    assert union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps counted once
-    assert union_us([(3, 4), (0, 1)]) == 2
+    assert union_length([]) == 0
+    assert union_length([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps counted once
+    assert union_length([(3, 4), (0, 1)]) == 2
 
 
 def _x(cat, name, ts, dur):

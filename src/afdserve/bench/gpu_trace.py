@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from afdserve.runtime.trace_plot import union_length
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -25,17 +27,6 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaE
                         "cuMemcpyDtoH"})
 LAUNCH_MARKS = ("LaunchKernel", "LaunchCooperativeKernel", "GraphLaunch")  # runtime and driver API
 STEP_MARK = "afdserve_decode_step"  # the profiled steps' record_function: host calls outside them are not counted
-
-
-def union_us(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of ``(start, end)`` intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
 
 
 @dataclass(frozen=True)
@@ -77,7 +68,7 @@ def analyze(events: list[dict], steps: int) -> StepTrace | None:
              if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"]
     inside = (lambda t: any(a <= t <= b for a, b in marks)) if marks else (lambda t: True)
     api = [e["name"] for e in spans if e.get("cat") in HOST_API_CATEGORIES and inside(float(e["ts"]))]
-    busy = union_us([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu])
+    busy = union_length([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in gpu])
     launches = _count(api, lambda n: any(m in n for m in LAUNCH_MARKS))
     syncs = _count(api, lambda n: n in SYNC_CALLS)
     return StepTrace(steps=steps, gpu_busy_ms=busy / 1e3 / steps,

@@ -30,7 +30,8 @@ def load(path: str) -> dict[str, list[dict]]:
     return spans
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlaps counted once)."""
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
         if e <= end:
@@ -56,7 +57,7 @@ def usage(spans: dict[str, list[dict]], window: tuple[float, float] | None = Non
 
     def frac(evs: list[dict], kinds: tuple[str, ...]) -> float:
         iv = [(max(e["ts"], lo), min(e["ts"] + e["dur"], hi)) for e in evs if e["name"] in kinds]
-        return _union([i for i in iv if i[1] > i[0]]) / length
+        return union_length([i for i in iv if i[1] > i[0]]) / length
 
     out = []
     for w, evs in sorted(spans.items()):
