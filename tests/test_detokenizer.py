@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-from afdserve.engine.detokenizer import IncrementalDetokenizer, extend_all, settle
+from afdserve.engine.detokenizer import MAX_LOOKBACK, IncrementalDetokenizer, extend_all, settle
 from tiny_models import write_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog, again and again",
@@ -119,11 +119,23 @@ def test_tokens_added_at_once_give_the_streamed_text(kind, tmp_path):
     assert detoks[-1].ids == [5, 7, 8]
 
 
+def _window_start(tok: Tokenizer, ids: list[int], skip: bool = True) -> int:
+    """Where the first window starts, by definition (``settle`` finds it in batch decodes): six
+    tokens back, or further back up to MAX_LOOKBACK, the first start from which the ids decode whole
+    (or the sequence's start); six back where none does."""
+    n = len(ids)
+    six_back = max(n - 6, 0)
+    for start in range(six_back, max(n - MAX_LOOKBACK, 0) - 1, -1):
+        if start == 0 or "\ufffd" not in tok.decode(ids[start:], skip_special_tokens=skip):
+            return start
+    return six_back
+
+
 def _by_definition(tok: Tokenizer, prompt: list[int], gen: list[int], skip: bool) -> list[str]:
     """Each token's text as stepping defines it, with both windows decoded afresh per token (what
     ``step`` computes with fewer decodes: a prefix's text kept, a one-token prefix's looked up)."""
     ids = list(prompt)
-    start, read = IncrementalDetokenizer(tok, prompt, skip)._window_start(), len(ids)
+    start, read = _window_start(tok, prompt, skip), len(ids)
     out = []
     for t in gen:
         ids.append(t)
@@ -178,7 +190,7 @@ def test_stepping_and_extending_random_byte_streams_follow_the_definition(kind, 
                                           for cut in range(len(ids))]
     detoks = [IncrementalDetokenizer(tok, p) for p in prompts]
     settle(detoks)
-    starts = [IncrementalDetokenizer(tok, p)._window_start() for p in prompts]
+    starts = [_window_start(tok, p) for p in prompts]
     assert [d.prefix_offset for d in detoks] == starts
     assert sum(s < len(p) - 6 for s, p in zip(starts, prompts)) > 5
     assert all(d.prefix in (None, tok.decode(d.ids[d.prefix_offset:])) for d in detoks)

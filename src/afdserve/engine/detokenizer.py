@@ -26,28 +26,14 @@ class IncrementalDetokenizer:
         self.tok = tokenizer
         self.skip = skip_special_tokens
         self.ids = list(prompt_ids)
-        # where the next window starts; None: ``_window_start`` of the ids so far, found when first
-        # needed (``settle``: a batch of them at once, or never for a request that ends unread)
+        # where the next window starts; None: found when first needed (``settle``, a batch of them
+        # at once, or never for a request that ends unread)
         self.prefix_offset: int | None = None
         self.read_offset = len(self.ids)
         self.prefix: str | None = None  # the text of ids[prefix_offset:read_offset], once decoded
         self.pairs: dict[tuple[int, int], str] | None = None  # texts of two-token windows (``extend_all``)
         texts = {} if tokenizer is None else _TOKEN_TEXTS.setdefault(tokenizer, {})
         self.texts: dict[int, str] = texts.setdefault(skip_special_tokens, {})
-
-    def _window_start(self) -> int:
-        """Where the first window starts: six tokens back, or further back up to ``MAX_LOOKBACK``, as
-        far as needed for the prompt's tail to decode whole. A window that starts within the byte
-        pieces of a character (a byte-fallback tokenizer's <0xXX> tokens) decodes them as replacement
-        characters, and a run of such pieces is decoded together, so the characters generated next
-        in that run would come out garbled too."""
-        n = len(self.ids)
-        six_back = max(n - 6, 0)
-        if self.tok is not None:
-            for start in range(six_back, max(n - MAX_LOOKBACK, 0) - 1, -1):
-                if start == 0 or "\ufffd" not in self.tok.decode(self.ids[start:], skip_special_tokens=self.skip):
-                    return start
-        return six_back  # no tokenizer, or a prompt with invalid bytes in its tail: as it comes
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
@@ -65,7 +51,7 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Adds one token and returns the newly completed text (possibly empty)."""
         if self.prefix_offset is None:
-            self.prefix_offset = self._window_start()
+            settle([self])
         self.ids.append(token_id)
         if self.tok is None:
             return ""
@@ -137,15 +123,20 @@ def extend_all(detoks: list[IncrementalDetokenizer], token_ids: list[list[int]])
 
 
 def settle(detoks: list[IncrementalDetokenizer]) -> None:
-    """Finds the window start of each detokenizer that has none yet (``_window_start``) in two batch
-    decodes: of the six-token tails (whole, for most prompts), then, for those that are not, of all
-    their candidate starts further back (for random token ids, few of them find one). All of one
+    """Finds where the first window of each detokenizer that has none yet starts: six tokens back,
+    or further back up to ``MAX_LOOKBACK``, the first start from which the ids so far decode whole
+    (the sequence's start counts as whole); six back where none does, or without a tokenizer. A
+    window that starts within the byte pieces of a character (a byte-fallback tokenizer's <0xXX>
+    tokens) decodes them as replacement characters, and a run of such pieces is decoded together,
+    so the characters generated next in that run would come out garbled too. In two batch decodes:
+    of the six-token tails (whole, for most prompts), then, for those that are not, of all their
+    candidate starts further back (for random token ids, few of them find one). All of one
     tokenizer."""
     todo = []
     for d in detoks:
         if d.prefix_offset is not None:
             continue
-        if d.tok is None or len(d.ids) <= 6:  # from six back, or its start (``_window_start``)
+        if d.tok is None or len(d.ids) <= 6:  # from six back, or its start
             d.prefix_offset = max(len(d.ids) - 6, 0)
         else:
             todo.append(d)
@@ -164,5 +155,5 @@ def settle(detoks: list[IncrementalDetokenizer]) -> None:
         if d.prefix_offset is None and (start == 0 or "\ufffd" not in text):  # the first whole one
             d.prefix_offset, d.prefix = start, text
     for d in garbled:
-        if d.prefix_offset is None:  # none whole: from six back (``_window_start``)
+        if d.prefix_offset is None:  # none whole: from six back, as it comes
             d.prefix_offset = len(d.ids) - 6
