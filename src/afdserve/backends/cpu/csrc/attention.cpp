@@ -100,11 +100,6 @@ AFD_INLINE void chunk_scores(const float* qf, int64_t ld, const float* kt, int64
 }
 
 #if defined(AFD_AVX2)
-// 8 elements of T as floats
-AFD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-AFD_INLINE __m256 load8(const at::BFloat16* p) { return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-AFD_INLINE __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // The scores of one query vector (`qf`, float32) against 8 keys (rows `kr`, nullptr: none, 0):
 // lane j is sum_d qf[d] * k_j[d] in the order of d, as chunk_scores<1> gives it. The keys are
 // transposed 8 dimensions at a time in registers and used at once (a tile of one vector uses each

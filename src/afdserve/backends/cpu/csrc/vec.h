@@ -183,27 +183,19 @@ AFD_INLINE V16 vfirst(V16 keep, V16 take, int n) {
   return {_mm256_blendv_ps(keep.lo, take.lo, lo), _mm256_blendv_ps(keep.hi, take.hi, hi)};
 }
 
-// 16 (or n < 16, the rest 0) elements of T as floats
-AFD_INLINE V16 load16(const float* p, int n = 16) {
-  if (n >= 16) return vload(p);
-  alignas(32) float t[16] = {};
-  std::memcpy(t, p, sizeof(float) * (n > 0 ? n : 0));
-  return vload(t);
-}
+// 8 elements of T as floats
 AFD_INLINE __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-AFD_INLINE V16 load16(const at::BFloat16* p, int n = 16) {
-  alignas(32) uint16_t t[16] = {};
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-  if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
-  return {bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
-          bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)))};
-}
-AFD_INLINE V16 load16(const at::Half* p, int n = 16) {
-  alignas(32) uint16_t t[16] = {};
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-  if (n < 16) std::memcpy(t, p, sizeof(uint16_t) * (n > 0 ? n : 0)), q = t;
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)))};
+AFD_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AFD_INLINE __m256 load8(const at::BFloat16* p) { return bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+AFD_INLINE __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 16 (or n < 16, the rest 0) elements of T as floats
+template <typename T>
+AFD_INLINE V16 load16(const T* p, int n = 16) {
+  if (n >= 16) return {load8(p), load8(p + 8)};
+  alignas(32) T t[16] = {};
+  std::memcpy(t, p, sizeof(T) * (n > 0 ? n : 0));
+  return {load8(t), load8(t + 8)};
 }
 
 // float -> bfloat16 rounded to nearest even (NaN kept a NaN), as at::BFloat16 does: 16 values
