@@ -58,3 +58,7 @@ def test_bench_m2n_layer_mode(tmp_path):
                for r in rows)
     bad = root.parse_args(["bench", "m2n", "--layer", "--transports", "torch_raw"])
     assert bad.func(bad) == 2
+    for argv in (["--layer", "--transports", "cuda_ipc"],  # its slots live on a GPU: needs --device cuda
+                 ["--transports", "cuda_ipc", "--scale", ""]):  # and the size sweep's payloads are host tensors
+        bad = root.parse_args(["bench", "m2n", *argv])
+        assert bad.func(bad) == 2

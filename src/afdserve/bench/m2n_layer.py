@@ -10,7 +10,7 @@ attention process, from the plan to the combined output (synchronised with the d
 p99 over the iterations of every attention process. Throughput: layers per second over all
 attention processes together, and the bytes they moved (dispatch and combine) per second.
 
-    afdserve bench m2n --layer [--transports shm,tcp,torch] [--scale 1,2] [--tokens 256] [--hidden 2048]
+    afdserve bench m2n --layer [--transports shm,tcp,torch,cuda_ipc] [--scale 1,2] [--tokens 256] [--hidden 2048]
         [--experts 128] [--top-k 8] [--dtype bfloat16] [--device cpu|cuda] [--iters 200] [--json PATH]
 """
 
@@ -28,19 +28,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-LAYER_TRANSPORTS = ("shm", "tcp", "torch")
+LAYER_TRANSPORTS = ("shm", "tcp", "torch", "cuda_ipc")  # cuda_ipc: only with the tensors on a CUDA device
 
 
 @dataclass(frozen=True)
 class LayerOptions:
-    transports: Sequence[str] = LAYER_TRANSPORTS
+    transports: Sequence[str] = ("shm", "tcp", "torch")
     scale: Sequence[int] = (1, 2)  # M = N values
     tokens: int = 256  # per attention process and layer
     hidden: int = 2048
     experts: int = 128
     top_k: int = 8
     dtype: str = "bfloat16"
-    device: str = "cpu"  # where the tensors live ("cuda": the torch transport runs NCCL)
+    device: str = "cpu"  # where the tensors live ("cuda": the torch transport runs NCCL, cuda_ipc can run)
     iters: int = 200
     json_path: str | None = None
 

@@ -29,10 +29,13 @@ def _csv(conv):
 
 
 def _transports(text: str) -> list[str]:
+    from afdserve.bench.m2n_layer import LAYER_TRANSPORTS
+
     out = _csv(str.strip)(text)
-    bad = [t for t in out if t not in m2n.ALL_TRANSPORTS]
+    known = list(m2n.ALL_TRANSPORTS) + [t for t in LAYER_TRANSPORTS if t not in m2n.ALL_TRANSPORTS]
+    bad = [t for t in out if t not in known]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown transport(s) {bad}; use {','.join(m2n.ALL_TRANSPORTS)}")
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {bad}; use {','.join(known)}")
     return out
 
 
@@ -42,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=m2n.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--transports", type=_transports, default=None,
                    help="comma list of shm,tcp,torch,torch_raw (torch_raw: plain gloo send/recv, no metadata; "
-                        "default all; --layer: shm,tcp,torch)")
+                        "default all; --layer: shm,tcp,torch by default, and cuda_ipc with --device cuda)")
     p.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES),
                    help=f"bytes per sender->receiver message (default {DEFAULT_SIZES})")
     p.add_argument("--senders", type=int, default=1, help="M for the size sweep")
@@ -82,6 +85,10 @@ def main(args: argparse.Namespace) -> int:
     if args.senders < 1 or args.receivers < 1 or args.iters < 1:
         print("error: --senders, --receivers and --iters must be >= 1", file=sys.stderr)
         return 2
+    bad = [t for t in args.transports if t not in m2n.ALL_TRANSPORTS]
+    if bad:
+        print(f"error: {','.join(bad)} runs only with --layer (use {','.join(m2n.ALL_TRANSPORTS)})", file=sys.stderr)
+        return 2
     m2n.run_m2n(m2n.M2NOptions(**{f.name: getattr(args, f.name) for f in fields(m2n.M2NOptions)}))
     return 0
 
@@ -89,8 +96,11 @@ def main(args: argparse.Namespace) -> int:
 def _layer(args: argparse.Namespace) -> int:
     from afdserve.bench.m2n_layer import LAYER_TRANSPORTS, LayerOptions, run_layer
 
-    transports = args.transports if args.transports is not None else list(LAYER_TRANSPORTS)
+    transports = args.transports if args.transports is not None else list(LayerOptions.transports)
     scale = args.scale if args.scale is not None else [1, 2]
+    if "cuda_ipc" in transports and not args.device.startswith("cuda"):
+        print("error: --transports cuda_ipc needs --device cuda[:N] (the slots live on the GPU)", file=sys.stderr)
+        return 2
     bad = [t for t in transports if t not in LAYER_TRANSPORTS]
     if bad or not scale or min(scale) < 1 or min(args.tokens, args.hidden, args.experts, args.top_k) < 1 \
             or args.top_k > args.experts or (args.iters is not None and args.iters < 1):

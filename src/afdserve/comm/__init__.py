@@ -2,8 +2,9 @@
 
 Buffers are registered once per pair at connect time; a sender writes straight into the receiver's
 slot and raises a completion carrying size and sequence number; a receiver waits only for the
-peers it names, with a deadline on every wait. Transports: shared memory (same machine), TCP
-(across machines) and torch.distributed point-to-point (baseline / fallback).
+peers it names, with a deadline on every wait. Transports: shared memory (same machine), CUDA IPC
+(same machine, tensors on GPUs: device-to-device copies), TCP (across machines) and
+torch.distributed point-to-point (baseline / fallback).
 """
 
 from afdserve.comm.communicator import Communicator, connect

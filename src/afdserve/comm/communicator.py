@@ -81,7 +81,7 @@ class Communicator:
         return tuple(self._links.recv)
 
     def transport(self, peer: Peer, direction: str = "send") -> str:
-        """'shm', 'tcp' or 'torch': what the pair to (direction='send') / from ('recv') ``peer`` uses."""
+        """'shm', 'cuda_ipc', 'tcp' or 'torch': what the pair to (direction='send') / from ('recv') ``peer`` uses."""
         return self._chan(str(peer), direction).transport
 
     def capacity(self, peer: Peer) -> int:

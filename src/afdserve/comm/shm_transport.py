@@ -9,6 +9,11 @@ different cache lines.
 
 Ordering: the payload stores precede the completion store in program order and x86-64 keeps stores
 in order (TSO); ``transport="auto"`` therefore picks shared memory only on x86-64.
+
+Where the payload lives is a strategy (``Payload``): here, in the segment beside its header
+(``HostPayload``); the CUDA IPC transport (``cuda_ipc.py``) runs this same protocol with the payload
+in the receiver's device memory, so the segment then carries the headers and completion words only
+(its slots' host payload area may be empty: the control block records its size).
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ from __future__ import annotations
 import secrets
 import socket
 from functools import partial
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
 from afdserve.comm.channel import RecvChannel, SendChannel
 from afdserve.comm.doorbell import NO_SOCKET, Doorbell
-from afdserve.comm.header import decode, encode_into, plan
+from afdserve.comm.header import TensorDesc, decode, encode_into, plan
 from afdserve.comm.message import Message, Meta
 from afdserve.comm.progress import Progress
 from afdserve.comm.shm import Segment
@@ -73,6 +78,44 @@ def attach_pair_segment(name: str, num_slots: int, slot_bytes: int, nonce: int) 
     return seg
 
 
+class Payload(Protocol):
+    """Where a pair's payloads live and how they get there (the headers stay in the segment)."""
+
+    transport: str
+
+    def write(self, slot: int, tensors: Sequence[torch.Tensor], descs: Sequence[TensorDesc], reuse: bool) -> None:
+        """Sender: copy the tensors into the slot (``reuse``: the slot held an earlier message)."""
+
+    def views(self, slot: int, descs: Sequence[TensorDesc]) -> list[torch.Tensor]:
+        """Receiver: the message's tensors, in place, readable once the completion word was seen."""
+
+    def consumed(self, slot: int) -> None:
+        """Receiver: the slot's tensors are no longer read (called just before FREED is stored)."""
+
+    def close(self) -> None: ...
+
+
+class HostPayload:
+    """The payload in the segment, after its header: the copy is done when ``write`` returns."""
+
+    transport = "shm"
+
+    def __init__(self, buf: SlotBuffer) -> None:
+        self.buf = buf
+
+    def write(self, slot: int, tensors: Sequence[torch.Tensor], descs: Sequence[TensorDesc], reuse: bool) -> None:
+        self.buf.write(slot, tensors, descs)
+
+    def views(self, slot: int, descs: Sequence[TensorDesc]) -> list[torch.Tensor]:
+        return self.buf.tensors(slot, descs)
+
+    def consumed(self, slot: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _ShmEnd:
     """What both ends of a shared-memory pair have (listed first among the bases, so that its
     ``futex_ok`` wins over ``Channel``'s)."""
@@ -80,13 +123,16 @@ class _ShmEnd:
     futex_ok = True  # waits on this pair can sleep on the doorbell futex
     ring: "object"
 
-    def _init_mem(self, seg: Segment, num_slots: int, slot_bytes: int, peer_bell: Doorbell) -> None:
+    def _init_mem(self, seg: Segment, num_slots: int, peer_bell: Doorbell, payload: Payload | None) -> None:
         self.seg = seg
         self.peer_bell = peer_bell
         self.ctl = _control(seg)
-        self.buf = SlotBuffer(num_slots, slot_bytes, mem=seg.mm, base=CONTROL_BYTES)
+        self.buf = SlotBuffer(num_slots, int(self.ctl[C_SLOT_BYTES]), mem=seg.mm, base=CONTROL_BYTES)
+        self.payload: Payload = HostPayload(self.buf) if payload is None else payload
+        self.transport = self.payload.transport
 
     def _drop_mem(self) -> None:
+        self.payload.close()
         self.buf.release()
         self.ctl = np.zeros(CONTROL_BYTES // 8, dtype=np.uint64)
         self.seg.close()
@@ -96,9 +142,9 @@ class ShmSendChannel(_ShmEnd, SendChannel):
     transport = "shm"
 
     def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
-                 peer_bell: Doorbell) -> None:
+                 peer_bell: Doorbell, payload: Payload | None = None) -> None:
         super().__init__(peer, sock, num_slots, slot_bytes)
-        self._init_mem(seg, num_slots, slot_bytes, peer_bell)
+        self._init_mem(seg, num_slots, peer_bell, payload)
 
     def _peer_closed_flag(self) -> bool:
         return bool(self.ctl[C_RECEIVER_CLOSED])
@@ -116,7 +162,7 @@ class ShmSendChannel(_ShmEnd, SendChannel):
         buf = self.buf
         ctl[C_WRITING] = k + 1  # lets a spinning receiver keep spinning through the copy
         encode_into(buf.mv, buf.header_offset(s), k, meta, descs, total)
-        buf.write(s, tensors, descs)
+        self.payload.write(s, tensors, descs, need > 0)
         ctl[C_FILLED + s] = k + 1  # the completion ("write with immediate")
         self.next_seq = k + 1
         self.peer_bell.notify(self.ring)
@@ -132,9 +178,9 @@ class ShmRecvChannel(_ShmEnd, RecvChannel):
     transport = "shm"
 
     def __init__(self, peer: str, sock: socket.socket, seg: Segment, num_slots: int, slot_bytes: int,
-                 peer_bell: Doorbell) -> None:
+                 peer_bell: Doorbell, payload: Payload | None = None) -> None:
         super().__init__(peer, sock, num_slots, slot_bytes)
-        self._init_mem(seg, num_slots, slot_bytes, peer_bell)
+        self._init_mem(seg, num_slots, peer_bell, payload)
 
     def _peer_closed_flag(self) -> bool:
         return bool(self.ctl[C_SENDER_CLOSED])
@@ -156,12 +202,13 @@ class ShmRecvChannel(_ShmEnd, RecvChannel):
             self.check()
         self.held[s] = True
         self.next_seq = k + 1
-        return Message(self.peer, k, h.meta, buf.tensors(s, h.tensors), h.payload_bytes,
+        return Message(self.peer, k, h.meta, self.payload.views(s, h.tensors), h.payload_bytes,
                        partial(self._release, k))
 
     def _release(self, k: int) -> None:
         s = k % self.num_slots
         self.held[s] = False
+        self.payload.consumed(s)
         ctl = self.ctl
         ctl[C_FREED + s] = k + 1
         self.peer_bell.notify(self.ring)

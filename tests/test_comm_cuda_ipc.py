@@ -1,0 +1,295 @@
+"""The CUDA IPC transport (``comm/cuda_ipc.py``): the shared-memory protocol with the payload in the
+receiver's device memory.
+
+On the CPU: the handshake's choice and its fallback reasons, the fallbacks' plumbing (a receiver whose
+device slots cannot be exported, a sender that cannot open them), the configuration's validation.
+The protocol itself is the shm transport's (``HostPayload`` runs it in every shm test).
+
+With CUDA (skipped without): the real transport between two processes -- payloads across many
+messages with slot reuse, ordering on the GPU with no host sync (long kernels before the copy and
+before the read keep the streams busy: a missing event wait would read stale or overwritten data),
+and a dead peer on either side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from afdserve.comm import CommConfig, Communicator, ConnectError, Meta, PeerDeadError
+from afdserve.comm import cuda_ipc
+from afdserve.comm.handshake import choose_transport
+from afdserve.errors import ConfigError
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
+
+
+# -- CPU ---------------------------------------------------------------------------------------------
+def test_choice_and_why_not():
+    g0, g1 = "GPU-0", "GPU-1"
+    assert choose_transport("auto", "auto", True, "p", g0, g1) == ("cuda_ipc", True, None)
+    assert choose_transport("auto", "auto", True, "p") == ("shm", True, None)  # no GPU: nothing to explain
+    t, fb, why = choose_transport("auto", "auto", True, "p", None, g1)
+    assert (t, fb) == ("shm", True) and "sender" in why
+    t, fb, why = choose_transport("auto", "auto", True, "p", g0, None)
+    assert (t, fb) == ("shm", True) and "receiver" in why
+    t, fb, why = choose_transport("auto", "auto", False, "p", g0, g1)
+    assert (t, fb) == ("tcp", True) and "different machines" in why
+    assert choose_transport("cuda_ipc", "auto", True, "p", g0, g0) == ("cuda_ipc", False, None)
+    assert choose_transport("auto", "shm", True, "p", g0, g1) == ("shm", False, None)  # forced shm stays
+    with pytest.raises(ConnectError, match="cuda_ipc with peer 'p' impossible: the receiver"):
+        choose_transport("auto", "cuda_ipc", True, "p", g0, None)
+    with pytest.raises(ConnectError, match="different machines"):
+        choose_transport("cuda_ipc", "cuda_ipc", False, "p", g0, g1)
+
+
+def test_config_needs_a_cuda_device():
+    with pytest.raises(ConfigError, match="device"):
+        CommConfig(transport="cuda_ipc")
+    with pytest.raises(ConfigError, match="device"):
+        CommConfig(transport="cuda_ipc", device="cpu")
+    assert CommConfig(transport="cuda_ipc", device="cuda:1").device == "cuda:1"
+    assert CommConfig(transport="shm", device="cpu").device == "cpu"
+    if not torch.cuda.is_available():
+        assert cuda_ipc.gpu_uuid("cuda") is None and cuda_ipc.gpu_uuid("cpu") is None
+
+
+def _pair(group: str, transport: str = "auto", **cfg):
+    """Sender 'a' -> receiver 'b' in two threads; returns (communicators, errors)."""
+    store = dist.HashStore()
+    out: dict[str, Communicator] = {}
+    errs: list[BaseException] = []
+
+    def mk(name, **kw):
+        try:
+            c = CommConfig(transport=transport, device="cuda", slot_bytes=4096, num_slots=2, deadline_s=5,
+                           connect_timeout_s=10, **cfg)
+            out[name] = Communicator(name, store, c, group=group).connect(**kw)
+        except BaseException as e:
+            errs.append(e)
+
+    ts = [threading.Thread(target=mk, args=("a",), kwargs={"send_to": ["b"]}),
+          threading.Thread(target=mk, args=("b",), kwargs={"recv_from": ["a"]})]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out, errs
+
+
+def _exchange(a: Communicator, b: Communicator) -> None:
+    for k in range(5):  # more messages than slots
+        a.send("b", [torch.full((3, k + 1), float(k))], Meta(step=k))
+        with b.recv("a") as m:
+            assert m.meta.step == k and torch.equal(m.tensors[0], torch.full((3, k + 1), float(k)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the failures below are those of a machine without CUDA")
+def test_fallbacks_to_shared_memory_with_a_logged_reason(monkeypatch, caplog):
+    """Both ends claim a GPU (their UUID), but none works here: the receiver cannot export its device
+    slots, then (with an export that hands out slots) the sender cannot open them; either way the
+    pair runs on shared memory and the log says why. Forced cuda_ipc fails on both sides instead."""
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-test")
+    caplog.set_level(logging.INFO, logger="afdserve.comm")
+    out, errs = _pair("ipc-export-fails")
+    assert not errs, errs
+    assert out["a"].transport("b") == out["b"].transport("a", "recv") == "shm"
+    assert "a>b: transport shm instead of cuda_ipc: device slots could not be exported" in caplog.text
+    _exchange(out["a"], out["b"])
+    for c in out.values():
+        c.close()
+
+    def export(device, num_slots, slot_bytes):  # slots in host memory: the sender has no CUDA to open them
+        mem = torch.zeros(num_slots * 8192, dtype=torch.uint8)
+        return cuda_ipc.DevicePayload(mem, num_slots, slot_bytes, [], []), {"uuid": "GPU-test", "probe": 1}
+
+    monkeypatch.setattr(cuda_ipc, "export", export)
+    caplog.clear()
+    out, errs = _pair("ipc-open-fails")
+    assert not errs, errs
+    assert out["a"].transport("b") == out["b"].transport("a", "recv") == "shm"
+    assert caplog.text.count("cannot open its CUDA IPC slots: CUDA is not available") == 2  # both ends log it
+    _exchange(out["a"], out["b"])
+    for c in out.values():
+        c.close()
+
+    out, errs = _pair("ipc-forced", transport="cuda_ipc")
+    assert len(errs) == 2 and all(isinstance(e, ConnectError) for e in errs), errs
+    assert any("cuda_ipc" in str(e) for e in errs)
+
+
+# -- CUDA: two processes -----------------------------------------------------------------------------
+SLOTS = 3
+MANY = 150
+ORDERED = 30
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of a GPU's clock: streams are still busy when the host checks
+
+
+def _message(k: int, dev: torch.device) -> list[torch.Tensor]:
+    rows = (k * 7) % 33
+    x = torch.arange(rows * 64, device=dev, dtype=torch.float32).view(rows, 64) + k
+    ids = torch.arange(rows, device=dev, dtype=torch.int64) * (k + 1)
+    w = (torch.arange(3 * rows, device=dev, dtype=torch.float32).view(3, rows) / (k + 1)).to(torch.bfloat16)
+    return [x, ids, w]
+
+
+def _config(**kw) -> CommConfig:
+    return CommConfig(**({"transport": "cuda_ipc", "device": "cuda:0", "slot_bytes": 64 << 10, "num_slots": SLOTS,
+                          "deadline_s": 30.0, "connect_timeout_s": 60.0} | kw))
+
+
+def _child(scenario: str, host: str, port: int, q) -> None:
+    """The sender, except in 'dead_receiver' (where it is the receiver that dies)."""
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dev = torch.device("cuda:0")
+        if scenario == "dead_receiver":
+            comm = Communicator("b", store, _config(num_slots=2), group=scenario).connect(recv_from=["a"])
+            q.put(("connected", comm.transport("a", "recv")))
+            comm.recv("a", timeout=30).release()
+            os._exit(0)  # no goodbye: the socket's EOF is all the sender learns
+        comm = Communicator("a", store, _config(num_slots=1 if scenario == "order" else SLOTS),
+                            group=scenario).connect(send_to=["b"])
+        q.put(("connected", comm.transport("b")))
+        busy = []
+        for k in range(MANY if scenario == "many" else ORDERED):
+            if scenario == "order":
+                if k % 3 == 0:
+                    torch.cuda._sleep(SLEEP_CYCLES)  # the payload is written after a long kernel ...
+                x = torch.full((1024,), float(k), device=dev)
+                comm.send("b", [x], Meta(step=k))  # ... and sent at once: the copy queues behind it
+                if k % 3 == 0:
+                    busy.append(not torch.cuda.current_stream(dev).query())
+            else:
+                comm.send("b", _message(k, dev), Meta(step=k, num_tokens=k))
+            if scenario == "dead_sender" and k == 1:
+                torch.cuda.synchronize(dev)  # its copies are done: only the process goes away
+                os._exit(0)
+        torch.cuda.synchronize(dev)
+        q.put(("done", busy))
+        store.wait(["closed"], datetime.timedelta(seconds=60))
+        comm.close()
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def _run(scenario: str):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(scenario, store.host, store.port, q), daemon=True)
+    p.start()
+    return store, p, q
+
+
+def _get(q, what: str, timeout: float = 120.0):
+    tag, val = q.get(timeout=timeout)
+    assert tag == what, f"child: {tag}\n{val}"
+    return val
+
+
+@needs_cuda
+def test_many_messages_reuse_the_device_slots():
+    store, p, q = _run("many")
+    try:
+        b = Communicator("b", store, _config(), group="many").connect(recv_from=["a"])
+        assert b.transport("a", "recv") == "cuda_ipc" and _get(q, "connected") == "cuda_ipc"
+        dev = torch.device("cuda:0")
+        for k in range(MANY):
+            with b.recv("a", timeout=30) as m:
+                assert m.seq == k and m.meta.step == k and m.meta.num_tokens == k
+                want = _message(k, dev)
+                assert [t.device.type for t in m.tensors] == ["cuda"] * 3
+                assert [(t.dtype, t.shape) for t in m.tensors] == [(t.dtype, t.shape) for t in want]
+                assert all(torch.equal(g, w) for g, w in zip(m.tensors, want)), k
+        _get(q, "done")
+        store.set("closed", "1")
+        p.join(60)
+        assert p.exitcode == 0
+        b.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+@needs_cuda
+def test_ordering_on_the_gpu_without_host_sync():
+    """One slot, long kernels: message 3j is written by the sender after a long kernel and read by the
+    receiver at once (only the filled event keeps the read after the copy); message 3j+1 is read
+    after a long kernel on the receiver and 3j+2 is sent at once (only the freed event keeps its copy
+    into the one slot after that read). Neither side synced: its stream was still running the long
+    kernel when send / release returned."""
+    store, p, q = _run("order")
+    try:
+        b = Communicator("b", store, _config(num_slots=1), group="order").connect(recv_from=["a"])
+        assert _get(q, "connected") == "cuda_ipc"
+        dev = torch.device("cuda:0")
+        stream = torch.cuda.current_stream(dev)
+        got, busy = [], []
+        for k in range(ORDERED):
+            m = b.recv("a", timeout=30)
+            if k % 3 == 1:
+                torch.cuda._sleep(SLEEP_CYCLES)  # the read below queues behind a long kernel ...
+            got.append(m.tensors[0].clone())
+            m.release()  # ... and the slot is handed back at once (its freed event after the clone)
+            if k % 3 == 1:
+                busy.append(not stream.query())
+        torch.cuda.synchronize(dev)
+        assert [g.unique().tolist() for g in got] == [[float(k)] for k in range(ORDERED)]
+        sender_busy = _get(q, "done")
+        assert all(sender_busy) and all(busy) and len(busy) == ORDERED // 3, (sender_busy, busy)
+        store.set("closed", "1")
+        p.join(60)
+        assert p.exitcode == 0
+        b.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+@needs_cuda
+def test_a_dead_sender_is_noticed_after_its_messages():
+    store, p, q = _run("dead_sender")
+    try:
+        b = Communicator("b", store, _config(), group="dead_sender").connect(recv_from=["a"])
+        assert _get(q, "connected") == "cuda_ipc"
+        dev = torch.device("cuda:0")
+        for k in range(2):
+            with b.recv("a", timeout=30) as m:
+                assert all(torch.equal(g, w) for g, w in zip(m.tensors, _message(k, dev)))
+        p.join(60)
+        with pytest.raises(PeerDeadError, match="'a'"):
+            b.recv("a", timeout=30)
+        assert torch.ones(4, device=dev).sum().item() == 4  # this process's CUDA is unharmed
+        b.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+@needs_cuda
+def test_a_dead_receiver_fails_the_sender_not_its_gpu():
+    store, p, q = _run("dead_receiver")
+    try:
+        a = Communicator("a", store, _config(num_slots=2), group="dead_receiver").connect(send_to=["b"])
+        assert a.transport("b") == "cuda_ipc" and _get(q, "connected") == "cuda_ipc"
+        dev = torch.device("cuda:0")
+        a.send("b", _message(1, dev))
+        p.join(60)
+        assert p.exitcode == 0
+        with pytest.raises(PeerDeadError, match="'b'"):
+            for k in range(10):  # two slots free up never again: a send soon waits and sees the EOF
+                a.send("b", _message(k, dev), timeout=30)
+        assert torch.ones(4, device=dev).sum().item() == 4
+        a.close()
+    finally:
+        if p.is_alive():
+            p.kill()
