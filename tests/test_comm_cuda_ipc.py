@@ -2,8 +2,9 @@
 receiver's device memory.
 
 On the CPU: the handshake's choice and its fallback reasons, the fallbacks' plumbing (a receiver whose
-device slots cannot be exported, a sender that cannot open them), the configuration's validation.
-The protocol itself is the shm transport's (``HostPayload`` runs it in every shm test).
+device slots cannot be exported, a sender that cannot open them), the configuration's validation,
+and the shm protocol through ``DevicePayload`` on CPU memory with logging stand-ins for the streams
+and events (where each wait and record falls relative to the FILLED / FREED words).
 
 With CUDA (skipped without): the real transport between two processes -- payloads across many
 messages with slot reuse, ordering on the GPU with no host sync (long kernels before the copy and
@@ -124,6 +125,83 @@ def test_fallbacks_to_shared_memory_with_a_logged_reason(monkeypatch, caplog):
     out, errs = _pair("ipc-forced", transport="cuda_ipc")
     assert len(errs) == 2 and all(isinstance(e, ConnectError) for e in errs), errs
     assert any("cuda_ipc" in str(e) for e in errs)
+
+
+class _Stream:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait_event(self, ev) -> None:
+        self.log.append(("wait", ev.name, ev.word()))
+
+
+class _Event:
+    """Stands for an interprocess CUDA event: logs each record with the completion word it guards
+    (FILLED or FREED of its slot) as it is at that moment."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+        self.word = lambda: -1
+
+    def record(self, stream) -> None:
+        self.log.append(("record", self.name, self.word()))
+
+
+def test_the_shm_protocol_through_the_device_strategy(monkeypatch):
+    """The real handshake and shm protocol with ``DevicePayload`` on CPU memory: only the CUDA parts
+    (the IPC export/open, the probe, streams and events) are replaced, by ones that log. Per message
+    in slot s: a reused slot's copy waits on freed[s] recorded by the receiver's release of the
+    slot's last message; filled[s] is recorded before FILLED is stored, freed[s] before FREED; the
+    receiver waits on filled[s] before it gets the tensors."""
+    from afdserve.comm.shm_transport import C_FILLED, C_FREED
+    from afdserve.comm.slots import slot_stride
+
+    log: list = []
+    slots = 2
+    events = [_Event(f"{kind}{s}", log) for kind in ("filled", "freed") for s in range(slots)]
+    shared: dict = {}
+
+    def export(device, num_slots, slot_bytes):
+        shared["mem"] = torch.zeros(num_slots * slot_stride(slot_bytes), dtype=torch.uint8)
+        return cuda_ipc.DevicePayload(shared["mem"], num_slots, slot_bytes, events[:slots], events[slots:]), \
+            {"uuid": "GPU-test", "probe": 0}
+
+    def open_peer(ipc, num_slots, slot_bytes):
+        return cuda_ipc.DevicePayload(shared["mem"], num_slots, slot_bytes, events[:slots], events[slots:])
+
+    monkeypatch.setattr(cuda_ipc, "gpu_uuid", lambda device: "GPU-test")
+    monkeypatch.setattr(cuda_ipc, "export", export)
+    monkeypatch.setattr(cuda_ipc, "open_peer", open_peer)
+    monkeypatch.setattr(cuda_ipc, "probe_sender", lambda payload, probe: None)
+    monkeypatch.setattr(cuda_ipc, "probe_receiver", lambda payload, probe: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(log))
+    out, errs = _pair("ipc-protocol")  # two slots
+    assert not errs, errs
+    a, b = out["a"], out["b"]
+    assert a.transport("b") == b.transport("a", "recv") == "cuda_ipc"
+    ctl = a._links.send["b"].ctl
+    for s in range(slots):
+        events[s].word = lambda s=s: int(ctl[C_FILLED + s])
+        events[slots + s].word = lambda s=s: int(ctl[C_FREED + s])
+    for k in range(7):
+        s = k % slots
+        del log[:]
+        a.send("b", [torch.full((5, k + 1), float(k)), torch.arange(k)], Meta(step=k))
+        sent = list(log)
+        m = b.recv("a")
+        got = log[len(sent):]
+        assert torch.equal(m.tensors[0], torch.full((5, k + 1), float(k)))
+        assert torch.equal(m.tensors[1], torch.arange(k))
+        del log[:]
+        m.release()
+        before = k - slots + 1 if k >= slots else 0  # the slot's words before this message
+        # a reused slot waits for the release of its last message (its FREED already stored) ...
+        assert sent == ([("wait", f"freed{s}", before)] if k >= slots else []) + [("record", f"filled{s}", before)]
+        assert got == [("wait", f"filled{s}", k + 1)]  # ... the receiver waits after FILLED, before the views
+        assert log == [("record", f"freed{s}", before)]  # the release records before FREED = k + 1
+        assert int(ctl[C_FREED + s]) == k + 1
+    a.close()
+    b.close()
 
 
 # -- CUDA: two processes -----------------------------------------------------------------------------
