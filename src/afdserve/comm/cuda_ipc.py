@@ -18,6 +18,11 @@ ordered before the release by the caller, as for any CUDA tensor.
 A record always comes (on the host) before the completion word its waiter reads, so a wait never
 sees an older record of the event (``cudaStreamWaitEvent`` uses the latest record at call time).
 
+The receiver owns the memory and all the events, so a dead sender leaves it nothing unsafe to use.
+A dead receiver's memory and events are freed with its process, and CUDA leaves further use of the
+imports undefined: the sender looks at the pair's socket before every send (EOF: PeerDeadError), which
+leaves the window of a receiver dying while a copy into its slots is queued or running.
+
 At connect time (``handshake.py``) the sender opens the handles and a round trip through the device
 memory and the events must pass (``probe_*``); otherwise the pair falls back to shared memory.
 """
@@ -57,6 +62,7 @@ class DevicePayload:
     """The ``Payload`` strategy of ``shm_transport``: slots in (the receiver's) device memory."""
 
     transport = "cuda_ipc"
+    dies_with_peer = True  # the sender's side: the receiver's allocation and events
 
     def __init__(self, mem: torch.Tensor, num_slots: int, slot_bytes: int, filled: list[torch.cuda.Event],
                  freed: list[torch.cuda.Event]) -> None:

@@ -82,6 +82,7 @@ class Payload(Protocol):
     """Where a pair's payloads live and how they get there (the headers stay in the segment)."""
 
     transport: str
+    dies_with_peer: bool  # the memory is the peer process's: using it after that process died is unsafe
 
     def write(self, slot: int, tensors: Sequence[torch.Tensor], descs: Sequence[TensorDesc], reuse: bool) -> None:
         """Sender: copy the tensors into the slot (``reuse``: the slot held an earlier message)."""
@@ -99,6 +100,7 @@ class HostPayload:
     """The payload in the segment, after its header: the copy is done when ``write`` returns."""
 
     transport = "shm"
+    dies_with_peer = False  # a mapping of the segment outlives its creator
 
     def __init__(self, buf: SlotBuffer) -> None:
         self.buf = buf
@@ -151,6 +153,8 @@ class ShmSendChannel(_ShmEnd, SendChannel):
 
     def send(self, tensors: Sequence[torch.Tensor], meta: Meta, deadline: float, progress: Progress) -> None:
         descs, total = plan(tensors, self.slot_bytes, self.peer)
+        if self.payload.dies_with_peer:
+            self.drain_socket()  # notice a dead receiver now, not after a copy into its freed memory
         self.check()
         k = self.next_seq
         s = k % self.num_slots
