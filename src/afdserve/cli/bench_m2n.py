@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=m2n.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--transports", type=_transports, default=None,
                    help="comma list of shm,tcp,torch,torch_raw (torch_raw: plain gloo send/recv, no metadata; "
-                        "default all; --layer: shm,tcp,torch by default, and cuda_ipc with --device cuda)")
+                        "default all; --layer: shm,tcp,torch, and cuda_ipc (which needs it) with --device cuda)")
     p.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES),
                    help=f"bytes per sender->receiver message (default {DEFAULT_SIZES})")
     p.add_argument("--senders", type=int, default=1, help="M for the size sweep")
@@ -96,9 +96,11 @@ def main(args: argparse.Namespace) -> int:
 def _layer(args: argparse.Namespace) -> int:
     from afdserve.bench.m2n_layer import LAYER_TRANSPORTS, LayerOptions, run_layer
 
-    transports = args.transports if args.transports is not None else list(LayerOptions.transports)
+    cuda = args.device.startswith("cuda")
+    transports = args.transports if args.transports is not None else \
+        list(LayerOptions.transports) + (["cuda_ipc"] if cuda else [])
     scale = args.scale if args.scale is not None else [1, 2]
-    if "cuda_ipc" in transports and not args.device.startswith("cuda"):
+    if "cuda_ipc" in transports and not cuda:
         print("error: --transports cuda_ipc needs --device cuda[:N] (the slots live on the GPU)", file=sys.stderr)
         return 2
     bad = [t for t in transports if t not in LAYER_TRANSPORTS]
