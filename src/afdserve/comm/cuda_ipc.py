@@ -102,6 +102,8 @@ def export(device: str, num_slots: int, slot_bytes: int) -> tuple[DevicePayload,
     from torch.multiprocessing.reductions import reduce_tensor
 
     dev = torch.device(device)
+    if dev.index is None:  # "cuda": this process's current device
+        dev = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.device(dev):
         mem = torch.zeros(num_slots * slot_stride(slot_bytes), dtype=torch.uint8, device=dev)
         events = [torch.cuda.Event(interprocess=True) for _ in range(2 * num_slots)]
