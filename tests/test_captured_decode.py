@@ -143,3 +143,20 @@ def test_a_capture_unlike_the_eager_step_is_refused(gpt_oss, monkeypatch):
                                             "CaptureMismatch: batch size 3: the captured greedy tokens"):
         tokens, _, _, captured = _run(path, Wrong(), monkeypatch)
     assert not captured and tokens == ref
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_match_transformers(tiny_mixtral):
+    """On a GPU: the decode steps captured in CUDA graphs by default (their self-check passed: no
+    warning), float32 greedy tokens as transformers' on the same device; with enforce_eager none."""
+    ps = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 12, 25, 30)]
+    ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 40, device="cuda"), params)]
+    for eager in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with LLM(str(tiny_mixtral), num_kv_blocks=64, device="cuda", dtype="float32", attention_backend="triton",
+                     max_num_seqs=8, enforce_eager=eager) as llm:
+                assert (llm.engine.engine.runner.captured is None) == eager
+                outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+        assert [list(o.outputs[0].token_ids) for o in outs] == ref, eager

@@ -62,14 +62,17 @@ class PaddedDecode:
         m, dev, bs = self.sizes[-1], model.device, kv.block_size
         self.width = max(2, -(-max_model_len // bs) + 1)  # block-table columns: any sequence's, padded with -1
         self.scratch_slot = kv.scratch_block * bs
-        # the step's inputs in two blocks (int64: ids, positions, slots; int32: lengths, valid, tables),
-        # on the host and (a device other than the CPU) copied whole-prefix to the device each step
-        self._host64 = torch.zeros(3 * m, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._host32 = torch.zeros(2 * m + m * self.width, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        # the step's inputs in three blocks (int64: ids, positions, slots; int32: lengths, valid; int32:
+        # tables), on the host and (a device other than the CPU) copied to the device each step
+        pin = dev.type == "cuda"
+        self._host64 = torch.zeros(3 * m, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(2 * m, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(m, self.width, dtype=torch.int32, pin_memory=pin)
+        self._np64, self._np32, self._np_tables = self._host64.numpy(), self._host32.numpy(), self._host_tables.numpy()
         on_host = dev.type == "cpu"
         self._dev64 = self._host64 if on_host else self._host64.to(dev)
         self._dev32 = self._host32 if on_host else self._host32.to(dev)
+        self._dev_tables = self._host_tables if on_host else self._host_tables.to(dev)
         self._copied: torch.cuda.Event | None = None
         ar = torch.arange(m + 1, device=dev)
         self._cu_q, self._first_rows = ar.to(torch.int32), ar[:m].clone()
@@ -85,9 +88,9 @@ class PaddedDecode:
         self.rows = {b: self._rows(b) for b in self.sizes}
 
     def _rows(self, b: int) -> _Rows:
-        m, w, d64, d32 = self.sizes[-1], self.width, self._dev64, self._dev32
-        return _Rows(d64[:b], d64[m:m + b], d64[2 * m:2 * m + b], d32[:b], d32[m:m + b],
-                     d32[2 * m:2 * m + b * w].view(b, w), self._cu_q[:b + 1], self._first_rows[:b])
+        m, d64, d32 = self.sizes[-1], self._dev64, self._dev32
+        return _Rows(d64[:b], d64[m:m + b], d64[2 * m:2 * m + b], d32[:b], d32[m:m + b], self._dev_tables[:b],
+                     self._cu_q[:b + 1], self._first_rows[:b])
 
     def size_of(self, inp: ModelInput) -> int | None:
         """The padded batch size ``inp`` runs at; None where it is not a plain decode step this can
@@ -101,11 +104,13 @@ class PaddedDecode:
         return next(b for b in self.sizes if b >= n)
 
     def write(self, inp: ModelInput, b: int) -> None:
-        """``inp``'s n rows and b - n padded rows into the buffers (and their device copies)."""
+        """``inp``'s n rows and b - n padded rows into the buffers (and their device copies). A row's
+        table columns past its step's table width keep older values: the attention reads a sequence's
+        columns up to its length only (a padded row's first)."""
         if self._copied is not None:  # the previous step's copies out of the host buffers are done
             self._copied.synchronize()
             self._copied = None
-        lay, m, w = inp.layout, self.sizes[-1], self.width
+        lay, m = inp.layout, self.sizes[-1]
         n = lay.num_seqs
         i64, i32 = self._np64, self._np32
         i64[:n], i64[n:b] = inp.input_ids, 0
@@ -113,14 +118,13 @@ class PaddedDecode:
         i64[2 * m:2 * m + n], i64[2 * m + n:2 * m + b] = lay.slot_mapping, self.scratch_slot
         i32[:n], i32[n:b] = lay.kv_lens, 1
         i32[m:m + n], i32[m + n:m + b] = 1, 0
-        tables = i32[2 * m:2 * m + b * w].reshape(b, w)
         have = lay.block_table.shape[1]
-        tables[:n, :have] = lay.block_table
-        tables[:n, have:] = -1
-        tables[n:, 0], tables[n:, 1:] = self.kv.scratch_block, -1
+        self._np_tables[:n, :have] = lay.block_table
+        self._np_tables[n:b, 0] = self.kv.scratch_block
         if self._dev64 is not self._host64:
             self._dev64.copy_(self._host64, non_blocking=True)
-            self._dev32[:2 * m + b * w].copy_(self._host32[:2 * m + b * w], non_blocking=True)
+            self._dev32.copy_(self._host32, non_blocking=True)
+            self._dev_tables[:b, :have].copy_(self._host_tables[:b, :have], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
 
