@@ -2,7 +2,8 @@
 on the CPU: the padded decode step compiled whole per padded batch size (what a CUDA graph captures;
 the triton kernels interpreted), float32 greedy tokens as transformers', no graph break and no
 recompilation while the batch changes within a size; the padded step's tokens, expert counts and
-load window as the eager step's; a capture whose outputs differ from the eager step's is refused."""
+load window as the eager step's; a capture that fails or whose outputs differ from the eager step's
+is refused. On a GPU: CUDA graphs against transformers."""
 
 import random
 import warnings
@@ -137,11 +138,22 @@ def test_padded_step_is_the_eager_step(gpt_oss, monkeypatch):
     np.testing.assert_array_equal(snap.coactivation, ref_snap.coactivation)
 
 
-def test_a_capture_unlike_the_eager_step_is_refused(gpt_oss, monkeypatch):
+class Broken(Uncaptured):
+    name = "broken"
+
+    def capture(self, fn):
+        raise RuntimeError("no graphs here")
+
+
+@pytest.mark.parametrize("mechanism,why", [
+    (Wrong(), "CaptureMismatch: batch size 3: the captured greedy tokens"),
+    (Broken(), "RuntimeError: no graphs here")])
+def test_a_failed_capture_warns_and_runs_eager(gpt_oss, monkeypatch, mechanism, why):
+    """A capture whose outputs are not the eager step's, or that raises: a warning, and every step
+    eager (the eager run's tokens)."""
     path, (ref, *_) = gpt_oss
-    with pytest.warns(RuntimeWarning, match="wrong capture of the decode step failed, running eager: "
-                                            "CaptureMismatch: batch size 3: the captured greedy tokens"):
-        tokens, _, _, captured = _run(path, Wrong(), monkeypatch)
+    with pytest.warns(RuntimeWarning, match=f"{mechanism.name} capture of the decode step failed, running eager: {why}"):
+        tokens, _, _, captured = _run(path, mechanism, monkeypatch)
     assert not captured and tokens == ref
 
 
