@@ -109,7 +109,7 @@ def _run(path, mechanism=None, monkeypatch=None, **kw):
         monkeypatch.setattr(builder, "choose_capture", lambda *a, **k: mechanism)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (14, 5, 9)]
     params.append(SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True))
-    with LLM(str(path), num_kv_blocks=64, backend="triton", dtype="float32", max_num_seqs=3, **kw) as llm:
+    with LLM(str(path), num_kv_blocks=64, backend="triton", dtype="float32", max_num_seqs=4, **kw) as llm:
         captured = llm.engine.engine.runner.captured is not None
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params)
         snap = llm.engine.experts.tracker.snapshot()
@@ -125,13 +125,14 @@ def gpt_oss(tmp_path_factory):
 
 
 def test_padded_step_is_the_eager_step(gpt_oss, monkeypatch):
-    """The padded step (sizes 1, 2, 3 of max_num_seqs=3; a sampled row among greedy ones): the
-    tokens, the expert counts and the load window (co-activation included) of the eager step."""
+    """The padded step (sizes 1, 2, 4 of max_num_seqs=4: 3 sequences with a padded row; a sampled row
+    among greedy ones): the tokens, the expert counts and the load window (co-activation included)
+    of the eager step."""
     path, (ref, ref_snap, ref_counts, was) = gpt_oss
     assert not was  # the CPU without compile: eager
     seen = _spy_sizes(monkeypatch)
     tokens, snap, counts, captured = _run(path, Uncaptured(), monkeypatch)
-    assert captured and {(3, 3), (2, 2), (1, 1)} <= set(seen)
+    assert captured and {(4, 4), (3, 4), (2, 2), (1, 1)} <= set(seen)
     assert tokens == ref
     assert torch.equal(counts, ref_counts) and snap.steps == ref_snap.steps
     np.testing.assert_array_equal(snap.tokens, ref_snap.tokens)
@@ -146,7 +147,7 @@ class Broken(Uncaptured):
 
 
 @pytest.mark.parametrize("mechanism,why", [
-    (Wrong(), "CaptureMismatch: batch size 3: the captured greedy tokens"),
+    (Wrong(), "CaptureMismatch: batch size 4: the captured greedy tokens"),
     (Broken(), "RuntimeError: no graphs here")])
 def test_a_failed_capture_warns_and_runs_eager(gpt_oss, monkeypatch, mechanism, why):
     """A capture whose outputs are not the eager step's, or that raises: a warning, and every step
