@@ -60,7 +60,7 @@ class PaddedDecode:
         self.model, self.kv, self.experts = model, kv, experts
         self.sizes = batch_sizes(max_num_seqs)
         m, dev, bs = self.sizes[-1], model.device, kv.block_size
-        self.width = max(2, -(-max_model_len // bs) + 1)  # block-table columns: any sequence's, padded with -1
+        self.width = max(2, -(-max_model_len // bs) + 1)  # block-table columns: as many as a sequence can need
         self.scratch_slot = kv.scratch_block * bs
         # the step's inputs in three blocks (int64: ids, positions, slots; int32: lengths, valid; int32:
         # tables), on the host and (a device other than the CPU) copied to the device each step
