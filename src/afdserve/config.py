@@ -110,7 +110,14 @@ class EngineConfig:
     prefix_cache_host_gb: float = 1.0  # host memory for blocks evicted from the KV cache (0: no host tier)
     prefix_cache_dir: str | None = None  # disk tier, kept across restarts (None: no disk tier)
     prefix_cache_disk_gb: float = 10.0  # bound of the disk tier
-    compile: bool = False  # torch.compile the attention half of decode steps (AttentionModel.compile_decode)
+    # torch.compile the attention half of decode steps (AttentionModel.compile_decode); where the colocated
+    # engine's decode steps are captured (below), the whole decode step instead, per padded batch size
+    compile: bool = False
+    # vLLM's: no captured decode steps. Otherwise the colocated engine captures its decode steps in CUDA
+    # graphs, one per padded batch size (afdserve.engine.graphs), where the device is CUDA and the
+    # backends allow it (triton attention, torch MoE: afdserve.backends.capture); on the CPU, only with
+    # compile=True, which compiles the same function whole
+    enforce_eager: bool = False
     # the hot path's backends (afdserve.backends.choose), chosen once per process from its device:
     # "auto" (the CPU kernels where they run, else PyTorch), "cpu" or "torch"; attention_backend and
     # moe_backend override ``backend`` for theirs
@@ -217,6 +224,7 @@ class EngineConfig:
         check("num_threads", self.num_threads is None or (is_int(self.num_threads) and self.num_threads >= 1),
               "must be an integer >= 1")
         check("compile", isinstance(self.compile, bool), "must be true or false")
+        check("enforce_eager", isinstance(self.enforce_eager, bool), "must be true or false")
         check("backend", self.backend in BACKENDS, f"use {', '.join(BACKENDS)}")
         for name in ("attention_backend", "moe_backend"):
             check(name, getattr(self, name) is None or getattr(self, name) in BACKENDS,

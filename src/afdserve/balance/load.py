@@ -205,6 +205,16 @@ class LoadTracker:
             flat = (ids[:, first] * e + ids[:, second]).reshape(-1)
             self._coact[self._cur, layer].index_add_(0, flat, self._ones_like(flat.numel(), torch.int32))
 
+    def add(self, tokens: torch.Tensor, ordered_pairs: torch.Tensor) -> None:
+        """Adds a step's routings of every layer counted elsewhere, as ``record`` counts them: ``tokens``
+        [L, E] (routings per expert) and ``ordered_pairs`` [L, E * E] (tokens per (first, second)
+        expert by top-k position), on the tracker's device (a captured decode step's fixed buffers,
+        ``afdserve.engine.padded``); the pairs count in the steps whose co-activation is sampled."""
+        self._pending = True
+        self._tokens[self._cur] += tokens
+        if self._coact is not None and self._step_no % self.coactivation_every == 0:
+            self._coact[self._cur] += ordered_pairs
+
     def _ones_like(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         ones = self._ones.get(dtype)
         if ones is None or ones.numel() < n:

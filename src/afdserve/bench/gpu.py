@@ -8,8 +8,8 @@ model that wrote it. For each context (prompt length) and batch:
 
 * transformers: one greedy ``generate`` of 1 + ``steps`` tokens; a streamer stamps the time each
   step's tokens reach the host (transformers syncs there every step anyway);
-* afdserve colocated, each variant (eager; CUDA graphs where ``EngineConfig`` has such an option;
-  ``compile=True`` on request): the engine stepped one ``get_outputs`` at a time, ``steps`` decode
+* afdserve colocated, each variant (eager; CUDA graphs, on a CUDA device, with the triton attention
+  backend, ``captured`` saying whether its decode steps were; ``compile=True`` on request): the engine stepped one ``get_outputs`` at a time, ``steps`` decode
   steps of the whole batch timed, ``profile_steps`` more under ``torch.profiler`` (GPU busy time,
   kernels, launches and host syncs per step: ``afdserve.bench.gpu_trace``), ``routing_steps`` more
   reading which experts each layer ran;
@@ -30,7 +30,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +38,6 @@ import torch
 
 from afdserve.bench.gpu_trace import STEP_MARK, analyze_profile
 from afdserve.bench.peer_bound import expected_experts, memcpy_bytes_per_s, step_bytes
-from afdserve.config import EngineConfig
 from afdserve.model.config import ModelConfig
 
 LAYERS = 4
@@ -267,18 +266,12 @@ def _measure(client: Any, step: Callable[[], tuple[float, bool]], plan: Plan, sc
 
 
 def afd_variants(plan: Plan) -> dict[str, dict | str]:
-    """afdserve's engine options per variant; a string: why the variant does not run."""
-    names = {f.name for f in fields(EngineConfig)}
-    option = next(((f, on, off) for f, on, off in (("cuda_graphs", True, False), ("enforce_eager", False, True))
-                   if f in names), None)
-    out: dict[str, dict | str] = {}
-    if option is None:
-        out["afdserve"] = {}
-        out["afdserve graphs"] = "EngineConfig has no CUDA-graph option (cuda_graphs / enforce_eager)"
-    else:
-        out["afdserve"] = {option[0]: option[2]}
-        out["afdserve graphs"] = ({option[0]: option[1]} if plan.device.startswith("cuda")
-                                  else "CUDA graphs need a CUDA device")
+    """afdserve's engine options per variant; a string: why the variant does not run. Decode steps
+    are captured in CUDA graphs with the triton attention backend only (``afdserve.backends.capture``):
+    the graphs variant asks for it, the eager one keeps the default backends."""
+    out: dict[str, dict | str] = {"afdserve": {"enforce_eager": True}}
+    out["afdserve graphs"] = ({"enforce_eager": False, "attention_backend": "triton"} if plan.device.startswith("cuda")
+                              else "CUDA graphs need a CUDA device")
     if plan.compile:
         out["afdserve compile"] = {"compile": True, **out["afdserve"]}  # type: ignore[dict-item]
     return out
@@ -360,7 +353,8 @@ def run_shape(key: str, plan: Plan, bandwidth: float, deadline: float | None, lo
                 for row in rows:
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 continue
-            log(f"  {name}: loaded in {time.perf_counter() - t0:.1f} s")
+            captured = llm.engine.engine.runner.captured is not None  # else its capture failed: eager (warned)
+            log(f"  {name}: loaded in {time.perf_counter() - t0:.1f} s{', decode steps captured' if captured else ''}")
             try:
                 llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=4, temperature=0.0,
                                                                                      ignore_eos=True))
@@ -368,6 +362,8 @@ def run_shape(key: str, plan: Plan, bandwidth: float, deadline: float | None, lo
                     t0 = time.perf_counter()
                     row[name] = ({"skipped": "time budget"} if late() else
                                  _guarded(afd_point, llm, prompts_of(shape, row["context"], row["batch"]), plan, root))
+                    if "skipped" not in row[name]:
+                        row[name]["captured"] = captured
                     log(f"  {name} ctx {row['context']} batch {row['batch']}: {time.perf_counter() - t0:.1f} s")
             finally:
                 llm.shutdown()

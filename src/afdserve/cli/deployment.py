@@ -23,7 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "scale per block and KV head, half of bfloat16's bytes; attention computes in --dtype)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per worker process")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the attention half of decode steps (first compile ~10 s; off by default)")
+                   help="torch.compile the attention half of decode steps (first compile ~10 s; off by default); "
+                        "where decode steps are captured, the whole decode step per padded batch size")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: by default the colocated engine on a CUDA device captures its decode "
+                        "steps, one graph per padded batch size, where the backends allow it (triton attention, "
+                        "torch MoE)")
     g.add_argument("--device", default="auto",
                    help="cpu, cuda or cuda:N: where the colocated engine and the attention workers keep weights, "
                         "KV cache and step tensors (default auto: cuda where torch sees a GPU, else cpu)")
@@ -109,7 +114,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               block_size=args.block_size, kv_cache_gb=args.kv_cache_gb, kv_cache_dtype=args.kv_cache_dtype,
               num_threads=args.num_threads,
-              compile=args.compile, device=args.device, expert_device=args.expert_device, backend=args.backend,
+              compile=args.compile, enforce_eager=args.enforce_eager, device=args.device, expert_device=args.expert_device, backend=args.backend,
               attention_backend=args.attention_backend, moe_backend=args.moe_backend,
               enable_prefix_caching=not args.no_prefix_cache,
               prefix_cache_host_gb=args.prefix_cache_host_gb, prefix_cache_dir=args.prefix_cache_dir,

@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 from afdserve.backends import Backends, choose
+from afdserve.backends.capture import Capture, choose_capture
 from afdserve.config import EngineConfig
 from afdserve.engine.colocated import ColocatedClient
 from afdserve.engine.engine import Engine, Grammars
+from afdserve.engine.graphs import CapturedDecode
 from afdserve.engine.host_memory import keep_freed_memory
+from afdserve.engine.padded import PaddedDecode, batch_sizes
 from afdserve.engine.runner import LocalExperts, ModelRunner, Runner
 from afdserve.engine.scheduler import SchedulerConfig
 from afdserve.engine.structured_output import XGrammars
@@ -86,10 +89,13 @@ class AttentionSide:
     blocks: BlockManager
     max_model_len: int
     backends: Backends
+    capture: Capture | None = None  # how decode steps are captured (``captures``; None: eager)
 
 
-def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
-                        reader: CheckpointReader) -> AttentionSide:
+def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, reader: CheckpointReader,
+                        captures: bool = False) -> AttentionSide:
+    """``captures``: the caller captures its decode steps where the device and backends allow it
+    (``choose_capture``; the KV cache then has a scratch block for their padded rows)."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     keep_freed_memory()
@@ -97,15 +103,18 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig,
     dtype = parse_dtype(cfg.dtype)
     device = parse_device(cfg.device)
     backends = engine_backends(cfg, device, dtype, model_cfg)
+    fp8 = cfg.kv_cache_dtype == "fp8_e4m3"
+    capture = choose_capture(device, backends, eager=cfg.enforce_eager, compile=cfg.compile, fp8_kv=fp8,
+                             functions=2 * len(batch_sizes(cfg.max_num_seqs))) if captures else None
     model = AttentionModel.load(path, dtype, model_cfg, reader).to(device).prepare(backends)
-    if cfg.compile:
+    if cfg.compile and capture is None:  # a capture compiles the whole step where compile is asked
         model.compile_decode()
     max_len = context_len(cfg, model_cfg)
     n_blocks = kv_blocks(cfg, model_cfg, max_len)
     kv = KVCache(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, n_blocks, cfg.block_size,
-                 kv_storage_dtype(cfg), model_cfg.kv_latent_dim, device)
+                 kv_storage_dtype(cfg), model_cfg.kv_latent_dim, device, scratch=capture is not None)
     return AttentionSide(model, kv, BlockManager(n_blocks, cfg.block_size, prefix_config(cfg, path), kv), max_len,
-                         backends)
+                         backends, capture)
 
 
 def engine_backends(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, model_cfg: ModelConfig) -> Backends:
@@ -143,11 +152,14 @@ def build_colocated(cfg: EngineConfig) -> ColocatedClient:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_pretrained(path)
     reader = CheckpointReader(path)
-    side = load_attention_side(cfg, path, model_cfg, reader)
+    side = load_attention_side(cfg, path, model_cfg, reader, captures=True)
     experts = LocalExperts(ExpertModel.load(path, None, side.model.dtype, model_cfg, reader).to(cfg.device)
                            .prepare(side.backends), cfg.load_window)
     tok = front_end_tokenizer(cfg, path, model_cfg)
     grammars = XGrammars(tok.tokenizer, model_cfg.vocab_size, tok.eos_token_ids)  # xgrammar loads on first use
-    engine = build_engine(cfg, side, ModelRunner(side.model, side.kv, experts, experts.tracker), tok.eos_token_ids,
-                          grammars)
+    runner = ModelRunner(side.model, side.kv, experts, experts.tracker)
+    if side.capture is not None:
+        padded = PaddedDecode(side.model, side.kv, experts, cfg.max_num_seqs, side.max_model_len)
+        runner.captured = CapturedDecode.start(padded, side.capture, runner.eager)
+    engine = build_engine(cfg, side, runner, tok.eos_token_ids, grammars)
     return ColocatedClient(cfg, engine, tok, experts)

@@ -103,12 +103,22 @@ class ModelRunner:
         self.tracker = tracker  # advanced once per step (the MoE function records into it)
         self.vocab_size = model.cfg.vocab_size
         self.buffers = StepBuffers(model.device)
+        # the plain decode steps' captured forward (``afdserve.engine.graphs.CapturedDecode``), set once
+        # at start-up; None: every step runs eager
+        self.captured: Callable[[ModelInput], ModelOutput | None] | None = None
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> ModelOutput:
-        m = self.model
         if self.tracker is not None:
             self.tracker.step()
+        if self.captured is not None and (out := self.captured(inp)) is not None:
+            return out
+        return self.eager(inp)
+
+    @torch.inference_mode()
+    def eager(self, inp: ModelInput) -> ModelOutput:
+        """The step layer by layer (the load tracker is not advanced: ``forward`` does)."""
+        m = self.model
         ctx, ids, rows = stage(m, inp, self.buffers)
         x = m.embed_tokens(ids)
         for layer in range(m.cfg.num_layers):

@@ -22,11 +22,17 @@ class KVCache:
     With ``dtype`` ``torch.float8_e4m3fn`` (``kv_cache_dtype="fp8_e4m3"``) every tensor has a float32
     scale per block and KV head beside it (per block for the latent; ``afdserve.kvcache.fp8``), and
     the views are ``Fp8Pages`` (the e4m3 slots and their layer's scales).
+
+    With ``scratch`` the tensors hold one block more, ``scratch_block`` (= ``num_blocks``), outside
+    the ``num_blocks`` a block manager hands out: what the padded rows of a captured decode step
+    write and read (``afdserve.engine.padded``).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, latent_dim: int = 0, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, latent_dim: int = 0, device: torch.device | str = "cpu", scratch: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block: int | None = num_blocks if scratch else None
+        num_blocks += scratch
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.lat: torch.Tensor | None = None
@@ -100,7 +106,7 @@ class KVCache:
         transfer moves of a layer's blocks, as stored (e4m3 as its bytes)."""
         n, bs = self.num_blocks, self.block_size
         raw = [t.view(torch.uint8) if t.dtype == FP8 else t for t in self.tensors()]  # (bytes: copied as they are)
-        return [t[layer].view(n, bs, *t.shape[2:]) for t in raw] + [s[layer] for s in self.scales]
+        return [t[layer, : n * bs].view(n, bs, *t.shape[2:]) for t in raw] + [s[layer, :n] for s in self.scales]
 
     def read_layer_blocks(self, layer: int, blocks: torch.Tensor) -> list[torch.Tensor]:
         return [t.index_select(0, blocks) for t in self.layer_blocks(layer)]

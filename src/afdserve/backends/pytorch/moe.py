@@ -1,7 +1,8 @@
 """Routed experts in PyTorch: every (token, expert) pair sorted by held expert, one grouped GEMM per
 projection for all experts (``torch._grouped_mm``), nothing read back to the host (a CUDA step keeps
 its kernels queued). Shapes whose rows the grouped GEMM cannot take (not 16-byte aligned: tiny test
-models) are padded with zeros once, when the experts are packed."""
+models) are padded with zeros once, when the experts are packed. Compiled, the grouped GEMM is a custom op
+(``grouped_mm``)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,11 @@ class GroupedExperts:
         """Rows ``[sum(sizes[:j]), sum(sizes[:j+1]))`` of x through expert j; the rows past
         ``sum(sizes)`` through none (their values unspecified)."""
         offs = torch.cumsum(sizes, 0).to(torch.int32)
-        gu = torch._grouped_mm(x, self.w13.transpose(1, 2), offs=offs)
+        mm = grouped_mm if torch.compiler.is_compiling() else torch._grouped_mm
+        gu = mm(x, self.w13.transpose(1, 2), offs=offs)
         if self.b13 is not None:
             gu = gu + self._per_row(self.b13, sizes, x.shape[0])
-        out = torch._grouped_mm(self.act(gu).contiguous(), self.w2.transpose(1, 2), offs=offs)
+        out = mm(self.act(gu).contiguous(), self.w2.transpose(1, 2), offs=offs)
         if self.b2 is not None:
             out = out + self._per_row(self.b2, sizes, x.shape[0])
         return out
@@ -79,6 +81,18 @@ class GroupedExperts:
         rest = (rows - sizes.sum()).reshape(1)
         return torch.repeat_interleave(torch.cat([b, b.new_zeros(1, b.shape[1])]), torch.cat([sizes, rest]), dim=0,
                                        output_size=rows)
+
+
+@torch.library.custom_op("afdserve::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=offs)`` (x [M, K], w [G, K, N]: [M, N]) as an op of its own for
+    ``torch.compile``, whose fake of the grouped GEMM takes bfloat16 only (the tests compile float32)."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[-1])
 
 
 class TorchMoE:
