@@ -85,6 +85,14 @@ def test_rows_kept_across_steps_equal_the_from_scratch_computation(vocab):
                                                                  minlength=vocab).float())
 
 
+def test_unseeded_draws_follow_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.6, 0.3, 0.1, 0.0])
+    tokens, _ = sample(torch.log(probs).expand(6000, 4), SamplingInputs([SamplingParams()] * 6000, [None] * 6000))
+    freq = torch.bincount(torch.tensor(tokens), minlength=4) / 6000
+    assert torch.allclose(freq, probs, atol=0.02)
+
+
 def test_state_allocates_counts_only_for_penalties_and_frees_its_rows():
     state = SamplingState(50, "cpu")
     for i in range(20):
