@@ -17,7 +17,7 @@ allocated when the first row that needs them joins.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION, FREQUENCY, PRESENCE = range(7)
 
 
 class SamplingState:
-    def __init__(self, vocab: int, device: torch.device | str, eos_token_ids: Sequence[int] | set[int] = ()):
+    def __init__(self, vocab: int, device: torch.device | str, eos_token_ids: Iterable[int] = ()):
         """``eos_token_ids``: masked with a row's stop token ids until its ``min_tokens``."""
         self.vocab, self.device = vocab, torch.device(device)
         self.eos = frozenset(eos_token_ids)
