@@ -9,10 +9,16 @@ subprocess per deployment (JSON lines on stdin/stdout); greedy token ids of both
         [--prompt-len 32] [--max-tokens 64] [--deployments colocated,disagg] [--json out/ab_trees.json]
         [--model PATH]
         [--threads N] [--new-options '{"compile": true}'] [--base-options '{...}'] [--fresh-prompts]
+        [--params '{"temperature": 0.8, "top_p": 0.95, "frequency_penalty": 0.5}']
 
 Without ``--fresh-prompts`` every round sends the same prompts, so after the first round their
 prefills hit the prefix cache and tok/s is nearly all decode; with it, every call sends new prompts
 (the same on both sides) and tok/s includes the prefills.
+
+``--params``: the requests' sampling params (SamplingParams keywords; default greedy). Each call
+also reports the median time of ``Engine._sample`` (sampling, stop checks, outputs) over its steps
+that sample the whole batch: the sampling of a decode step. Token ids are compared only where the
+params make them deterministic (greedy, or a seed).
 
 --base/--new take a git revision (checked out into a temporary worktree, removed at exit) or the
 path of a source tree; --new defaults to this checkout, uncommitted changes included.
@@ -59,7 +65,19 @@ def worker(cfg: dict) -> None:
         raise SystemExit(f"imported afdserve from {afdserve.__file__}, not from the tree {tree}")
     import torch
     from afdserve import LLM, SamplingParams
+    from afdserve.engine.engine import Engine as EngineCore
     from afdserve.model.demo import demo_model_path
+
+    sample_times: list[tuple[int, float]] = []  # (rows, seconds) of each Engine._sample call
+    sample = EngineCore._sample
+
+    def timed_sample(self, logits, seqs, *a, **kw):
+        t0 = time.perf_counter()
+        out = sample(self, logits, seqs, *a, **kw)
+        sample_times.append((len(seqs), time.perf_counter() - t0))
+        return out
+
+    EngineCore._sample = timed_sample
 
     model = Path(cfg["model"]) if cfg.get("model") else demo_model_path()
     model_cfg = json.loads((model / "config.json").read_text())
@@ -73,7 +91,8 @@ def worker(cfg: dict) -> None:
         rng = random.Random(seed)  # the same prompts on both sides
         prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(cfg["prompt_len"])]}
                    for _ in range(batch)]
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} | cfg["params"])
+        sample_times.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
@@ -84,7 +103,9 @@ def worker(cfg: dict) -> None:
         cmd = json.loads(line)
         seconds, ids = generate(cmd["batch"], cmd["max_tokens"], cmd["seed"])
         digest = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-        proto.write(json.dumps({"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids_hash": digest}) + "\n")
+        whole = [t for rows, t in sample_times if rows == cmd["batch"]]
+        proto.write(json.dumps({"seconds": seconds, "tokens": sum(map(len, ids)), "token_ids_hash": digest,
+                                "sample_s": statistics.median(whole) if whole else float("nan")}) + "\n")
     llm.shutdown()
 
 
@@ -169,6 +190,14 @@ def revision(tree: Path) -> str:
     return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", cwd=tree) else "")
 
 
+KEYS = ("tok_s", "decode_tok_s", "sample_ms")
+
+
+def deterministic(params: dict) -> bool:
+    """Whether requests with these SamplingParams keywords give the same tokens on both sides."""
+    return params.get("temperature", 0) == 0 or params.get("top_k") == 1 or params.get("seed") is not None
+
+
 def run_rounds(args, engines: dict, batches: list[int]) -> list[dict]:
     raw = []
     for r in range(args.rounds):
@@ -186,12 +215,14 @@ def run_rounds(args, engines: dict, batches: list[int]) -> list[dict]:
                                  "hash1": one["token_ids_hash"], "hashN": full["token_ids_hash"],
                                  "tok_s": full["tokens"] / full["seconds"],
                                  "decode_tok_s": b * (args.max_tokens - 1) / (full["seconds"] - one["seconds"])
-                                 if full["seconds"] > one["seconds"] else float("nan")}
-                for key in ("tok_s", "decode_tok_s"):
+                                 if full["seconds"] > one["seconds"] else float("nan"),
+                                 "sample_ms": 1000 * full["sample_s"]}
+                for key in KEYS:
                     rec["ratio_" + key] = rec["new"][key] / rec["base"][key]
                 raw.append(rec)
                 print(f"  round {r} {dep:>9} batch {b:>3}: new/base {rec['ratio_tok_s']:.3f} "
-                      f"(decode {rec['ratio_decode_tok_s']:.3f})", flush=True)
+                      f"(decode {rec['ratio_decode_tok_s']:.3f}, sampling ms {rec['base']['sample_ms']:.2f} -> "
+                      f"{rec['new']['sample_ms']:.2f})", flush=True)
     return raw
 
 
@@ -202,8 +233,8 @@ def summarize(raw: list[dict], args, batches: list[int]) -> list[dict]:
             recs = [x for x in raw if x["deployment"] == dep and x["batch"] == b]
             row = {"deployment": dep, "batch": b, "identical": all(
                 x["base"][h] == x["new"][h] == (x if args.fresh_prompts else recs[0])["base"][h]
-                for x in recs for h in ("hash1", "hashN"))}
-            for key in ("tok_s", "decode_tok_s"):
+                for x in recs for h in ("hash1", "hashN")) if deterministic(args.params) else None}
+            for key in KEYS:
                 ratios = [x["ratio_" + key] for x in recs]
                 row.update({f"base_{key}": statistics.median(x["base"][key] for x in recs),
                             f"new_{key}": statistics.median(x["new"][key] for x in recs),
@@ -215,11 +246,15 @@ def summarize(raw: list[dict], args, batches: list[int]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'deployment':>10} {'batch':>5} | {'base tok/s':>10} {'new tok/s':>9} {'new/base [min, max]':>21} | "
-          f"{'base dec/s':>10} {'new dec/s':>9} {'new/base [min, max]':>21} | identical")
+          f"{'base dec/s':>10} {'new dec/s':>9} {'new/base [min, max]':>21} | "
+          f"{'base smp ms':>11} {'new smp ms':>10} {'new/base [min, max]':>21} | identical")
     for r in rows:
-        cells = [f"{r['base_' + k]:>10.1f} {r['new_' + k]:>9.1f} {r['ratio_' + k]:>6.3f} "
-                 f"[{r['ratio_' + k + '_min']:.3f}, {r['ratio_' + k + '_max']:.3f}]" for k in ("tok_s", "decode_tok_s")]
-        print(f"{r['deployment']:>10} {r['batch']:>5} | {cells[0]} | {cells[1]} | {'yes' if r['identical'] else 'NO'}")
+        cells = [f"{r['base_' + k]:>{11 if k == 'sample_ms' else 10}.{2 if k == 'sample_ms' else 1}f} "
+                 f"{r['new_' + k]:>{10 if k == 'sample_ms' else 9}.{2 if k == 'sample_ms' else 1}f} "
+                 f"{r['ratio_' + k]:>6.3f} [{r['ratio_' + k + '_min']:.3f}, {r['ratio_' + k + '_max']:.3f}]"
+                 for k in KEYS]
+        same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
+        print(f"{r['deployment']:>10} {r['batch']:>5} | {cells[0]} | {cells[1]} | {cells[2]} | {same}")
 
 
 def main() -> None:
@@ -244,6 +279,8 @@ def main() -> None:
                     help="JSON object of engine options (LLM keywords) given to the new side only")
     ap.add_argument("--base-options", type=json.loads, default={},
                     help="JSON object of engine options (LLM keywords) given to the base side only")
+    ap.add_argument("--params", type=json.loads, default={},
+                    help="JSON object of SamplingParams keywords for every request (default: greedy)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     args.deployments = args.deployments.split(",")
@@ -268,6 +305,7 @@ def main() -> None:
                     | (args.new_options if side == "new" else args.base_options)
                 cfg = {"tree": str(tree), "deployment": dep, "dtype": args.dtype, "max_batch": max(batches),
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "options": options,
+                       "params": args.params,
                        "model": args.model and str(Path(args.model).resolve())}
                 print(f"starting {side} {dep} ...", flush=True)
                 engines[side, dep] = Engine(f"{side}/{dep}", cfg, tmp / f"{side}-{dep}.log", args.timeout)
@@ -292,7 +330,7 @@ def main() -> None:
               "engines": imported,
               "settings": {k: getattr(args, k) for k in ("rounds", "prompt_len", "max_tokens", "dtype", "deployments",
                                                           "fresh_prompts", "threads", "new_options",
-                                                          "base_options")}
+                                                          "base_options", "params")}
               | {"batches": batches, "engine_options": {d: DEPLOYMENTS[d] for d in args.deployments}},
               "summary": rows, "rounds": raw}
     if args.json:
@@ -300,7 +338,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}")
-    if not all(r["identical"] for r in rows):
+    if any(r["identical"] is False for r in rows):
         sys.exit("greedy token ids differ between base and new (see 'identical' above)")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -21,8 +21,9 @@ from afdserve.backends.step import StepLayout
 from afdserve.engine.cp import CPShard, CPStep, compact_slots, cp_layout, extended_rows, sharded_layout
 from afdserve.engine.outputs import PrefillProgress, TokenOutput
 from afdserve.engine.runner import ModelInput, ModelOutput, Runner
-from afdserve.engine.sampler import SamplingInputs, plain_greedy, rows_logprobs, sample
+from afdserve.engine.sampler import plain_greedy, rows_logprobs, sample_rows
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sampling_state import SamplingState
 from afdserve.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from afdserve.engine.sequence import Sequence, Status
 from afdserve.errors import RequestError
@@ -36,9 +37,10 @@ class Grammars(Protocol):
     def add(self, seq: Sequence) -> None:
         """Sets ``seq.grammar`` (the request's grammar, compiled once and cached); RequestError if invalid."""
 
-    def allowed(self, seqs: list[Sequence], vocab: int) -> torch.Tensor | None:
-        """[len(seqs), vocab] bool: the tokens each sequence's grammar allows next (all True for
-        sequences without one); None when no sequence has a grammar."""
+    def mask(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], object] | None:
+        """A function setting, in place on the logits' device, the logits [len(seqs), vocab] of the
+        tokens each sequence's grammar does not allow next to -inf (rows without a grammar left as
+        they are); None when no sequence has a grammar."""
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advances ``seq``'s grammar by ``token``; True when the grammar is complete."""
@@ -88,6 +90,9 @@ class Engine:
         self.shards: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.shard_lock = threading.Lock()
         self._sharded_turn = False  # sharded decode steps take turns with the others
+        # the sampling state of the running sequences that sample (on the logits' device, made by the first
+        # sample): a sequence's row lives from its first sampled step until it finishes or is preempted
+        self.sampling: SamplingState | None = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     output_token_ids: list[int] | None = None, cp: CPShard | None = None) -> None:
@@ -184,6 +189,9 @@ class Engine:
             if self._sharded_turn and (batch := sched.schedule_sharded()) is not None:
                 return self._begin_sharded(batch, t0)
         batch = sched.schedule(lanes)
+        if batch.preempted and self.sampling is not None:  # they join again when they next sample
+            for seq in batch.preempted:
+                self.sampling.remove(seq)
         if not batch:
             if sched.sharded and (batch := sched.schedule_sharded()) is not None:
                 return self._begin_sharded(batch, t0)
@@ -313,13 +321,18 @@ class Engine:
         self.scheduler.land(s.batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], chosen: bool = False) -> list[TokenOutput]:
-        if chosen:  # token ids the runner chose (a greedy step)
+        if chosen:  # token ids the runner chose (a greedy step): plain rows, whose sampling state (if they
+            # have a row) never reads its counts (no penalty) nor its length (min_tokens reached)
             tokens, logprobs = logits.tolist(), [None] * len(seqs)
         else:
-            allowed = self.grammars.allowed(seqs, logits.shape[1]) if self.grammars is not None else None
-            tokens, logprobs = sample(logits, SamplingInputs(
-                [s.params for s in seqs], [s.generator for s in seqs], [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs], self.eos_token_ids, allowed))
+            state = self.sampling
+            if state is None:
+                state = self.sampling = SamplingState(logits.shape[1], logits.device, self.eos_token_ids)
+            for seq in seqs:
+                if seq not in state:
+                    state.add(seq, seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+            mask = self.grammars.mask(seqs) if self.grammars is not None else None
+            tokens, logprobs = sample_rows(logits, state, state.index(seqs), mask)
         outs = []
         reported = self._reported
         for seq, tok, lp in zip(seqs, tokens, logprobs):
@@ -347,6 +360,8 @@ class Engine:
             with self.shard_lock:  # no CP server thread reads its blocks from now on
                 self.shards.pop(seq.cp.handle, None)
         self.scheduler.finish(seq)
+        if self.sampling is not None:
+            self.sampling.remove(seq)
         del self.seqs[seq.request_id]
         self._reported.discard(seq.request_id)
         if self.grammars is not None and seq.grammar is not None:

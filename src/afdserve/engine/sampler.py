@@ -1,5 +1,6 @@
 """Turns the logits of a batch into next tokens: one batched pass for all rows, each row with its own
-sampling params, with vLLM's definitions and order.
+sampling params (its row of a ``SamplingState``, on the logits' device), with vLLM's definitions and
+order.
 
 1. log-probabilities for the rows that ask for them, from the raw logits (vLLM's default);
 2. the structured-output mask, then ``min_tokens`` (EOS and stop token ids masked), ``logit_bias``;
@@ -8,21 +9,34 @@ sampling params, with vLLM's definitions and order.
 4. greedy rows take the argmax; the others: temperature, ``min_p``, top-k, top-p, then one draw each
    (the exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)``: a row with a seed draws its noise
    from its own generator, so its tokens do not depend on the rest of the batch).
+
+Each step is a few tensor operations over the batch, run only when some row of the state uses it;
+which rows are greedy, seeded, short of ``min_tokens`` or asking for logprobs comes from the state's
+host mirrors. The only reads from the device are the chosen tokens (and the logprobs asked for).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
 from afdserve.engine.outputs import TokenLogprobs
 from afdserve.engine.sampling_params import SamplingParams
+from afdserve.engine.sampling_state import FREQUENCY, MIN_P, PRESENCE, REPETITION, TEMPERATURE, TOP_K, TOP_P, \
+    SamplingState
 from afdserve.engine.sequence import Sequence
+
+_TINY = torch.finfo(torch.float32).tiny
+Mask = Callable[[torch.Tensor], object]  # sets the logits [S, V] of the tokens not allowed to -inf, in place
 
 
 @dataclass
 class SamplingInputs:
+    """A batch sampled once, without a state kept across steps (``sample``)."""
+
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     prompt_ids: list[list[int]] = field(default_factory=list)  # per row; needed for the repetition penalty
@@ -32,21 +46,40 @@ class SamplingInputs:
 
 
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [S, V] float32. Returns the next token of each row and, for the rows whose params
-    ask for logprobs, their log-probabilities. What to do is read from the params on the host: the
-    only reads from the device are the chosen tokens (and the logprobs asked for), one each."""
-    params = inp.params
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    raw_lp = torch.log_softmax(logits[want], dim=-1) if want else None
-    logits = _processed(logits, inp)
-    tokens = argmax_rows(logits)
-    rand = [i for i, p in enumerate(params) if not p.greedy]
-    if rand:
-        tokens[rand] = _draw(logits[rand], [params[i] for i in rand], [inp.generators[i] for i in rand])
+    """logits: [S, V] float32. ``sample_rows`` over a state holding these rows only."""
+    state = SamplingState(logits.shape[1], logits.device, inp.eos_token_ids)
+    for i, p in enumerate(inp.params):
+        state.add(i, p, inp.prompt_ids[i] if inp.prompt_ids else [], inp.output_ids[i] if inp.output_ids else [],
+                  inp.generators[i])
+    allowed = inp.allowed
+    mask = None if allowed is None else lambda x: x.masked_fill_(~allowed.to(x.device), float("-inf"))
+    return sample_rows(logits, state, state.index(range(len(inp.params))), mask)
+
+
+def sample_rows(logits: torch.Tensor, state: SamplingState, idx: np.ndarray,
+                mask: Mask | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [S, V] float32, row i of the state's row ``idx[i]``; ``mask``: the structured-output
+    mask. Returns the next token of each row and, for the rows whose params ask for logprobs, their
+    log-probabilities; the state's rows advance by the chosen tokens."""
+    dev, uses = logits.device, state.uses
+    rows = _on(idx, dev)
+    ks = state.logprobs[idx]
+    want = np.flatnonzero(ks >= 0) if uses["logprobs"] else np.zeros(0, dtype=np.int64)
+    raw_lp = torch.log_softmax(logits[_on(want, dev)], dim=-1) if len(want) else None
+    logits = _processed(logits, state, idx, rows, mask)
+    rand = np.flatnonzero(~state.greedy[idx]) if uses["sampled"] else np.zeros(0, dtype=np.int64)
+    if len(rand) == len(idx):
+        tokens = _draw(logits, state, idx, rows)
+    else:
+        tokens = argmax_rows(logits)
+        if len(rand):
+            r = _on(rand, dev)
+            tokens[r] = _draw(logits[r], state, idx[rand], rows[r])
+    state.advance(idx, rows, tokens)
     out = tokens.tolist()
-    lps: list[TokenLogprobs | None] = [None] * len(params)
+    lps: list[TokenLogprobs | None] = [None] * len(idx)
     if raw_lp is not None:
-        for i, lp in zip(want, rows_logprobs(raw_lp, tokens[want], [params[i].logprobs or 0 for i in want])):
+        for i, lp in zip(want.tolist(), rows_logprobs(raw_lp, tokens[_on(want, dev)], ks[want].tolist())):
             lps[i] = lp
     return out, lps
 
@@ -93,89 +126,66 @@ def rows_logprobs(lp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list
             for r, (tok, v, rk) in enumerate(zip(tokens.tolist(), value.tolist(), rank.tolist()))]
 
 
-def _processed(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
-    """Steps 2 and 3 (on a copy, only when a row needs them): each a few tensor operations over the
-    whole batch, the rows and tokens they touch gathered from the params on the host."""
-    params, (num_rows, vocab) = inp.params, logits.shape
-    out = logits
-    dev = out.device
-    if inp.allowed is not None:
-        out = out.masked_fill(~inp.allowed.to(dev), float("-inf"))
-    stop_rows, stop_ids, bias_rows, bias_ids, bias = [], [], [], [], []
-    for i, p in enumerate(params):
-        # a grammar decides when a constrained row may end (its mask then allows only EOS)
-        if p.min_tokens and len(inp.output_ids[i]) < p.min_tokens and p.structured_outputs is None:
-            stops = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else inp.eos_token_ids) if t < vocab]
-            stop_rows += [i] * len(stops)
-            stop_ids += stops
-        if p.logit_bias:
-            bias_rows += [i] * len(p.logit_bias)
-            bias_ids += list(p.logit_bias)
-            bias += list(p.logit_bias.values())
-    if stop_rows or bias_rows:
-        out = out.clone() if out is logits else out
-        idx = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        if stop_rows:
-            out[idx(stop_rows), idx(stop_ids)] = float("-inf")
-        if bias_rows:
-            out.index_put_((idx(bias_rows), idx(bias_ids)), torch.tensor(bias, dtype=out.dtype, device=dev),
-                           accumulate=True)
-    rep = [p.repetition_penalty for p in params]
-    freq = [p.frequency_penalty for p in params]
-    pres = [p.presence_penalty for p in params]
-    if any(r != 1.0 for r in rep) or any(freq) or any(pres):
-        counts = _counts(inp.output_ids, num_rows, vocab, dev)
-        out = out.clone() if out is logits else out
-        if any(r != 1.0 for r in rep):
-            seen = (counts > 0) | _counts(inp.prompt_ids, num_rows, vocab, dev).bool()
-            r = torch.tensor(rep, dtype=out.dtype, device=dev)[:, None].expand_as(out)
-            penalized = torch.where(out > 0, out / r, out * r)
-            out = torch.where(seen, penalized, out)
-        out -= torch.tensor(freq, dtype=out.dtype, device=dev)[:, None] * counts
-        out -= torch.tensor(pres, dtype=out.dtype, device=dev)[:, None] * (counts > 0)
+def _on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device, non_blocking=True)
+
+
+def _processed(logits: torch.Tensor, state: SamplingState, idx: np.ndarray, rows: torch.Tensor,
+               mask: Mask | None) -> torch.Tensor:
+    """Steps 2 and 3, on a copy, when some row of the state needs them."""
+    uses = state.uses
+    if mask is None and not (uses["min_tokens"] or uses["bias"] or uses["penalty"]):
+        return logits
+    out = logits.clone()
+    if mask is not None:
+        mask(out)
+    dev = state.on_device()
+    if uses["min_tokens"]:
+        short = np.flatnonzero(state.num_output[idx] < state.min_tokens[idx])
+        if len(short):
+            r = _on(short, out.device)
+            out[r[:, None], dev["stop_ids"][rows[r]]] = float("-inf")  # (padded with a row's own first stop id)
+    if uses["bias"]:
+        out.scatter_add_(1, dev["bias_ids"][rows], dev["bias"][rows])  # (padded with bias 0)
+    if uses["penalty"]:
+        counts, scalars = state.counts[rows], dev["scalars"][:, rows, None]
+        present = counts > 0
+        if uses["repetition"]:  # (as vLLM: the penalty is 1 where the token was not seen)
+            r = torch.where(state.prompt_seen[rows].logical_or_(present), scalars[REPETITION], 1.0)
+            out = torch.where(out > 0, out / r, out * r)
+        out.addcmul_(counts, -scalars[FREQUENCY]).addcmul_(present, -scalars[PRESENCE])
     return out
 
 
-def _counts(ids: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float32: how often each token occurs in each row's ids."""
-    counts = torch.zeros(rows, vocab, dtype=torch.float32)
-    lens = [len(x) for x in ids]
-    if sum(lens):
-        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(rows), torch.tensor(lens))
-        counts.index_put_((row, flat), torch.ones(len(flat)), accumulate=True)
-    return counts.to(device)
-
-
-def _draw(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of ``logits`` [R, V] (none of them greedy); which filters run is read from
-    the params, not from the device."""
-    dev, vocab = logits.device, logits.shape[1]
-    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=dev)
+def _draw(logits: torch.Tensor, state: SamplingState, idx: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [R, V] (state rows ``idx``, none of them greedy)."""
+    uses, vocab = state.uses, logits.shape[1]
+    scalars = state.on_device()["scalars"][:, rows, None]
+    logits = logits / scalars[TEMPERATURE]
+    if uses["min_p"]:
         probs = torch.softmax(logits, dim=-1)
-        cut = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        cut = probs.amax(dim=-1, keepdim=True) * scalars[MIN_P]
         logits = logits.masked_fill(probs < cut, float("-inf"))
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if min(top_k) < vocab or any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
-        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        pos = torch.arange(vocab, device=dev)[None, :]
-        sorted_logits = sorted_logits.masked_fill(pos >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+    if uses["top"]:
+        top_p = scalars[TOP_P]
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        pos = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(pos >= scalars[TOP_K], float("-inf"))
         sorted_p = torch.softmax(sorted_logits, dim=-1)
-        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p[:, None]  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p (all of it where top_p is 1, whatever the rounding)
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p > top_p) & (top_p < 1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
+        logits = torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     noise = torch.empty_like(probs)
-    seeded = [i for i, g in enumerate(gens) if g is not None]
-    if len(seeded) < len(gens):
-        noise.exponential_()
-    if seeded:  # a request's generator lives on the CPU: its draws do not depend on the device or the batch
-        host = noise if dev.type == "cpu" else torch.empty(len(seeded), vocab, dtype=noise.dtype)
-        for j, i in enumerate(seeded):
-            host[i if host is noise else j].exponential_(generator=gens[i])
-        if host is not noise:
-            noise[torch.tensor(seeded, device=dev)] = host.to(dev)
-    return torch.argmax(probs / noise, dim=-1)
+    seeded = np.flatnonzero(state.seeded[idx]) if uses["seeded"] else []
+    if len(seeded) < len(idx):  # Exp(1) as -log(U), U uniform in [tiny, 1): never 0 nor inf, and on a CPU
+        noise.uniform_(_TINY, 1).log_().neg_()  # a few times faster than exponential_
+    if len(seeded):  # a request's generator lives on the CPU: its draws do not depend on the device or the batch
+        on_cpu = noise.device.type == "cpu"
+        host = noise if on_cpu else torch.empty(len(seeded), vocab, dtype=noise.dtype)
+        for j, i in enumerate(seeded.tolist()):
+            host[i if on_cpu else j].exponential_(generator=state.generators[idx[i]])
+        if not on_cpu:
+            noise[_on(seeded, noise.device)] = host.to(noise.device, non_blocking=True)
+    return torch.argmax(probs.div_(noise), dim=-1)

@@ -19,6 +19,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,28 @@ def validate_structured_outputs(spec: StructuredOutputsParams, tokenizer: Tokeni
     grammar_backend(tokenizer.tokenizer, vocab_size, tokenizer.eos_token_ids).compile(spec)
 
 
+@dataclass
+class TokenBitmask:
+    """The structured-output mask of a batch, packed: ``bits`` int32 [S, ceil(vocab / 32)] on the
+    host (bit t % 32 of word t // 32: token t allowed), as xgrammar fills it, for the batch's
+    ``rows`` with a grammar over ``vocab`` tokens (the model's). Applied on the logits' device, in
+    place, by xgrammar's kernel (CPU or Triton): logits past ``vocab`` are never allowed."""
+
+    bits: torch.Tensor
+    rows: list[int]
+    vocab: int
+
+    def __call__(self, logits: torch.Tensor) -> None:
+        import xgrammar as xgr
+
+        n = min(self.vocab, logits.shape[1])
+        rows = None if len(self.rows) == logits.shape[0] else self.rows
+        xgr.apply_token_bitmask_inplace(logits, self.bits.to(logits.device, non_blocking=True), vocab_size=n,
+                                        indices=rows)
+        if n < logits.shape[1]:
+            logits[self.rows, n:] = float("-inf")
+
+
 class XGrammars:
     """The engine's ``Grammars`` with xgrammar. ``tokenizer``: the tokenizer, or its folder (then it is
     loaded, with xgrammar, on the first constrained request)."""
@@ -256,23 +279,28 @@ class XGrammars:
         assert seq.params.structured_outputs is not None
         seq.grammar = self.backend.matcher(seq.params.structured_outputs)
 
-    def allowed(self, seqs: list[Sequence], vocab: int) -> torch.Tensor | None:
+    def mask(self, seqs: list[Sequence]) -> TokenBitmask | None:
+        """The tokens each of ``seqs``' grammars allows next, as xgrammar packs them (unconstrained
+        rows untouched); None when no sequence has a grammar."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
         import xgrammar as xgr
 
         n = self.backend.vocab_size
-        bitmask = xgr.allocate_token_bitmask(len(rows), n)  # [R, ceil(n / 32)] int32, bit t % 32 of word t // 32
-        for j, i in enumerate(rows):
-            seqs[i].grammar.fill_next_token_bitmask(bitmask, j)
-        as_bytes = bitmask.view(torch.uint8)  # little-endian: byte b holds tokens 8b .. 8b + 7, lowest bit first
-        bits = (as_bytes[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-        mask = torch.ones(len(seqs), vocab, dtype=torch.bool)
-        cols = min(n, vocab)
-        mask[rows, :cols] = bits.view(len(rows), -1)[:, :cols].bool()
-        mask[rows, cols:] = False  # logits past the grammar's vocabulary
-        return mask
+        bits = xgr.allocate_token_bitmask(len(seqs), n)
+        for i in rows:
+            seqs[i].grammar.fill_next_token_bitmask(bits, i)
+        return TokenBitmask(bits, rows, n)
+
+    def allowed(self, seqs: list[Sequence], vocab: int) -> torch.Tensor | None:
+        """``mask`` as [len(seqs), vocab] bool (True: allowed), for ``vocab`` logits."""
+        mask = self.mask(seqs)
+        if mask is None:
+            return None
+        logits = torch.zeros(len(seqs), vocab)
+        mask(logits)
+        return logits == 0
 
     def accept(self, seq: Sequence, token: int) -> bool:
         matcher = seq.grammar
