@@ -7,12 +7,14 @@ is refused. On a GPU: CUDA graphs against transformers."""
 
 import random
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from afdserve import LLM, SamplingParams
+from afdserve.backends.capture import capture_blocker, choose_capture
 from afdserve.cli.main import build_parser
 from afdserve.config import EngineConfig
 from afdserve.engine import builder
@@ -158,18 +160,41 @@ def test_a_failed_capture_warns_and_runs_eager(gpt_oss, monkeypatch, mechanism, 
     assert not captured and tokens == ref
 
 
+def test_no_capture_where_the_grouped_gemm_reads_back(monkeypatch):
+    """On CUDA, ``torch._grouped_mm`` outside its bfloat16 kernels (sm9x / sm10x) loops over the groups
+    on the host, reading the offsets back, which a CUDA graph cannot capture: decided when the engine
+    is built (nothing captured, no warning of a failed capture); compiled on the CPU it is a custom op."""
+    backends = SimpleNamespace(attention=SimpleNamespace(name="triton"), moe=SimpleNamespace(name="torch"))
+    cuda = torch.device("cuda")
+    for dtype in (torch.float32, torch.float16):
+        assert "reads its group offsets back" in capture_blocker(backends, False, cuda, dtype)
+        assert choose_capture(cuda, backends, eager=False, compile=False, fp8_kv=False, dtype=dtype, functions=2) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "reads its group offsets back" in capture_blocker(backends, False, cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert capture_blocker(backends, False, cuda, torch.bfloat16) == ""
+    assert capture_blocker(backends, False, torch.device("cpu"), torch.float32) == ""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_cuda_graphs_match_transformers(tiny_mixtral):
-    """On a GPU: the decode steps captured in CUDA graphs by default (their self-check passed: no
-    warning), float32 greedy tokens as transformers' on the same device; with enforce_eager none."""
+def test_cuda_graphs_on_a_gpu(tiny_mixtral):
+    """On a GPU: in float32 nothing is captured (``torch._grouped_mm`` reads its offsets back), without
+    a warning, and the greedy tokens are transformers'; in bfloat16 (on sm9x / sm10x) the decode steps
+    are captured in CUDA graphs by default, their start-up check against the eager step passed (no
+    warning), and every request is served; with enforce_eager nothing is captured."""
     ps = prompts()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 12, 25, 30)]
     ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 40, device="cuda"), params)]
-    for eager in (False, True):
+    kernels = torch.cuda.get_device_capability()[0] in (9, 10)
+    for dtype, eager in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            with LLM(str(tiny_mixtral), num_kv_blocks=64, device="cuda", dtype="float32", attention_backend="triton",
+            with LLM(str(tiny_mixtral), num_kv_blocks=64, device="cuda", dtype=dtype, attention_backend="triton",
                      max_num_seqs=8, enforce_eager=eager) as llm:
-                assert (llm.engine.engine.runner.captured is None) == eager
+                captured = llm.engine.engine.runner.captured is not None
                 outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
-        assert [list(o.outputs[0].token_ids) for o in outs] == ref, eager
+        assert captured == (dtype == "bfloat16" and kernels and not eager), (dtype, eager)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        if dtype == "float32":
+            assert tokens == ref
+        assert [len(t) for t in tokens] == [p.max_tokens for p in params], (dtype, eager)

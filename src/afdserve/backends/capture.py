@@ -11,7 +11,8 @@ run again (``afdserve.engine.padded``), chosen once when the engine is built (``
 
 Only backends whose step reads nothing from the host can be captured (``capture_blocker``): the
 triton attention backend (its context is fixed buffers: block tables, lengths) with the torch MoE
-backend (no host sync), the KV cache in the model's dtype."""
+backend (no host sync: on CUDA, ``torch._grouped_mm``'s bfloat16 kernels of sm9x / sm10x; its other
+cases loop over the groups on the host, reading the offsets back), the KV cache in the model's dtype."""
 
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ class CudaGraphs:
         return replay
 
 
-def capture_blocker(backends: Backends, fp8_kv: bool) -> str:
-    """Why a decode step over ``backends`` cannot be captured ("" where it can)."""
+def capture_blocker(backends: Backends, fp8_kv: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """Why a decode step over ``backends`` in ``dtype`` on ``device`` cannot be captured ("" where it can)."""
     if backends.attention.name != "triton":
         return (f"the {backends.attention.name} attention backend builds its context on the host each step "
                 "(the triton one reads fixed buffers)")
@@ -91,16 +92,25 @@ def capture_blocker(backends: Backends, fp8_kv: bool) -> str:
         return f"the {backends.moe.name} MoE backend (the torch one runs without host syncs)"
     if fp8_kv:
         return "an FP8 KV cache (its writes are not captured in this version)"
+    if device.type == "cuda" and (dtype != torch.bfloat16 or not _grouped_mm_kernels(device)):
+        return (f"torch._grouped_mm in {dtype} on this GPU reads its group offsets back to the host (its "
+                "kernels without: bfloat16 on sm9x / sm10x)")
     return ""
 
 
+def _grouped_mm_kernels(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` has its bfloat16 kernels on ``device``: compute capability 9.x or
+    10.x, as torch decides (``_scaled_mm_allowed_device(sm90_only, sm100_only)``)."""
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def choose_capture(device: torch.device, backends: Backends, *, eager: bool, compile: bool, fp8_kv: bool,
-                   functions: int) -> Capture | None:
+                   dtype: torch.dtype, functions: int) -> Capture | None:
     """How the colocated engine's decode steps are captured (None: they run eager): CUDA graphs on a
     CUDA device unless ``eager`` (of the compiled forward with ``compile``); on the CPU, compiled
     whole with ``compile``; nothing where ``capture_blocker`` says why not. ``functions``: how many
     functions will be captured (one per padded batch size and variant)."""
-    if eager or capture_blocker(backends, fp8_kv):
+    if eager or capture_blocker(backends, fp8_kv, device, dtype):
         return None
     if device.type == "cuda":
         return CudaGraphs(device, Compiled(functions) if compile else None)

@@ -105,7 +105,7 @@ def load_attention_side(cfg: EngineConfig, path: Path, model_cfg: ModelConfig, r
     backends = engine_backends(cfg, device, dtype, model_cfg)
     fp8 = cfg.kv_cache_dtype == "fp8_e4m3"
     capture = choose_capture(device, backends, eager=cfg.enforce_eager, compile=cfg.compile, fp8_kv=fp8,
-                             functions=2 * len(batch_sizes(cfg.max_num_seqs))) if captures else None
+                             dtype=dtype, functions=2 * len(batch_sizes(cfg.max_num_seqs))) if captures else None
     model = AttentionModel.load(path, dtype, model_cfg, reader).to(device).prepare(backends)
     if cfg.compile and capture is None:  # a capture compiles the whole step where compile is asked
         model.compile_decode()
