@@ -125,8 +125,8 @@ class PaddedDecode:
             self._dev64.copy_(self._host64, non_blocking=True)
             self._dev32.copy_(self._host32, non_blocking=True)
             self._dev_tables[:b, :have].copy_(self._host_tables[:b, :have], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = torch.cuda.Event()  # on the copies' stream (the model's device, not the current one)
+            self._copied.record(torch.cuda.current_stream(self._dev64.device))
 
     def forward(self, b: int, greedy: bool) -> torch.Tensor:
         """The decode step over the buffers' first b rows: token ids [b] (int64) with ``greedy``, else
