@@ -127,8 +127,8 @@ class StepBuffers:
     def end(self) -> None:
         """Every array of the step is staged: later writes wait for these copies (``begin``)."""
         if not self.on_host and self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = torch.cuda.Event()  # on the copies' stream: the device's, not the current device's
+            self._copied.record(torch.cuda.current_stream(self.device))
 
 
 @dataclass

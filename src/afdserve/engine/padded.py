@@ -124,7 +124,9 @@ class PaddedDecode:
         if self._dev64 is not self._host64:
             self._dev64.copy_(self._host64, non_blocking=True)
             self._dev32.copy_(self._host32, non_blocking=True)
-            self._dev_tables[:b, :have].copy_(self._host_tables[:b, :have], non_blocking=True)
+            # whole rows: one contiguous copy from the pinned buffer (a column slice would be staged
+            # through a pageable temporary, a synchronous copy)
+            self._dev_tables[:b].copy_(self._host_tables[:b], non_blocking=True)
             self._copied = torch.cuda.Event()  # on the copies' stream (the model's device, not the current one)
             self._copied.record(torch.cuda.current_stream(self._dev64.device))
 
