@@ -94,6 +94,7 @@ def test_tiny_benchmark_runs_end_to_end_on_the_cpu(tmp_path):
         for p in shape["points"]:
             hf, afd, bound = p["transformers"], p["afdserve"], p["bound"]
             assert p["afdserve graphs"] == {"skipped": "CUDA graphs need a CUDA device"}
+            assert p["afdserve triton"] == {"skipped": "the graphs variant's eager twin: runs where graphs do (CUDA)"}
             assert afd["captured"] is False  # the eager variant (enforce_eager=True)
             # greedy, float32, random weights: afdserve's tokens are transformers'
             assert afd["identical"] == p["batch"], (key, p["context"], p["batch"])

@@ -8,8 +8,8 @@ model that wrote it. For each context (prompt length) and batch:
 
 * transformers: one greedy ``generate`` of 1 + ``steps`` tokens; a streamer stamps the time each
   step's tokens reach the host (transformers syncs there every step anyway);
-* afdserve colocated, each variant (eager; CUDA graphs, on a CUDA device, with the triton attention
-  backend, ``captured`` saying whether its decode steps were; ``compile=True`` on request): the engine stepped one ``get_outputs`` at a time, ``steps`` decode
+* afdserve colocated, each variant (eager; on a CUDA device the triton attention backend eager and in
+  CUDA graphs, ``captured`` saying whether its decode steps were; ``compile=True`` on request): the engine stepped one ``get_outputs`` at a time, ``steps`` decode
   steps of the whole batch timed, ``profile_steps`` more under ``torch.profiler`` (GPU busy time,
   kernels, launches and host syncs per step: ``afdserve.bench.gpu_trace``), ``routing_steps`` more
   reading which experts each layer ran;
@@ -268,9 +268,13 @@ def _measure(client: Any, step: Callable[[], tuple[float, bool]], plan: Plan, sc
 def afd_variants(plan: Plan) -> dict[str, dict | str]:
     """afdserve's engine options per variant; a string: why the variant does not run. Decode steps
     are captured in CUDA graphs with the triton attention backend only (``afdserve.backends.capture``):
-    the graphs variant asks for it, the eager one keeps the default backends."""
+    the graphs variant asks for it, the eager one keeps the default backends, and "afdserve triton" is
+    the graphs variant run eager (so that graphs against eager changes one thing)."""
     out: dict[str, dict | str] = {"afdserve": {"enforce_eager": True}}
-    out["afdserve graphs"] = ({"enforce_eager": False, "attention_backend": "triton"} if plan.device.startswith("cuda")
+    cuda = plan.device.startswith("cuda")
+    out["afdserve triton"] = ({"enforce_eager": True, "attention_backend": "triton"} if cuda
+                              else "the graphs variant's eager twin: runs where graphs do (CUDA)")
+    out["afdserve graphs"] = ({"enforce_eager": False, "attention_backend": "triton"} if cuda
                               else "CUDA graphs need a CUDA device")
     if plan.compile:
         out["afdserve compile"] = {"compile": True, **out["afdserve"]}  # type: ignore[dict-item]
