@@ -10,6 +10,9 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=600)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
-"${PYTEST[@]}" --durations=30  # the slowest tests: where the suite's time goes
+# two pytest workers (pytest-xdist), one per core (each test process runs one OpenMP thread); a test
+# file runs whole on one worker, so its module-scoped fixtures (servers, engines) start once
+XDIST=(-n 2 --dist loadfile)
+"${PYTEST[@]}" "${XDIST[@]}" --durations=30  # the slowest tests: where the suite's time goes
 echo "afdserve: the torch_backend tests again on the torch backends (AFDSERVE_KERNELS=0)"
-AFDSERVE_KERNELS=0 "${PYTEST[@]}" -m torch_backend
+AFDSERVE_KERNELS=0 "${PYTEST[@]}" "${XDIST[@]}" -m torch_backend

@@ -76,17 +76,25 @@ def _collect(llm, ids, act) -> dict:
     return done
 
 
+_LOST_RNG = random.Random(11)
+LOST_PROMPTS = [{"prompt_token_ids": [_LOST_RNG.randrange(3, 250) for _ in range(n)]} for n in (LONG // 2, 30)]
+LOST_PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fault_free(long_archs) -> list[list[int]]:
+    """CP = 1's greedy outputs of ``LOST_PROMPTS``: the fault-free run every victim's run must equal."""
+    with _deployment(long_archs["mixtral"], 1) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(LOST_PROMPTS, LOST_PARAMS)]
+
+
 @pytest.mark.parametrize("victim", ["attention0", "attention1", "expert0"])
-def test_a_rank_lost_during_the_prefill_loses_no_request(long_archs, victim):
+def test_a_rank_lost_during_the_prefill_loses_no_request(long_archs, fault_free, victim):
     """kill -9 either attention worker (a rank) or the expert worker as a long prompt's CP prefill
     starts (a short request beside it): the worker is replaced, the prefill starts over (on new ranks,
     or on the same ones after the new links), greedy outputs equal the fault-free run's, and no block
     stays held."""
-    rng = random.Random(11)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in (LONG // 2, 30)]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with _deployment(long_archs["mixtral"], 1) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    prompts, params, want = LOST_PROMPTS, LOST_PARAMS, fault_free
     with _deployment(long_archs["mixtral"], 2) as llm:
         pid = llm.engine.workers[victim].pid
         ids = [llm.engine.add_request(p, params) for p in prompts]
