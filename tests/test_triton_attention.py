@@ -3,10 +3,13 @@
 against the torch backend over mixed batches (prefill pieces after cached prefixes, decodes, GQA,
 windows, sinks, given-back blocks poisoned with NaN), RMS norm (with the residual add) and RoPE
 with the cache write (partial rotary, Qwen3's q/k norms) against the torch norm backend, greedy
-tokens as transformers' in the colocated and the disaggregated deployments. The decode step compiled
-whole with the kernels as custom ops: tests/test_captured_decode.py."""
+tokens as transformers' in the colocated and the disaggregated deployments, and the decode half
+compiled whole (one graph, no break) with the kernels as custom ops where decode steps are not
+captured (``enforce_eager``, or an attention worker). The captured decode step compiled whole:
+tests/test_captured_decode.py."""
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -145,3 +148,26 @@ def test_sinks_and_windows_match_transformers(gpt_oss, budget, block_size):
 def test_disaggregated_matches_transformers(gpt_oss):
     path, ref = gpt_oss
     assert generate(path, num_kv_blocks=64, expert_workers=1, micro_batches=2, backend="triton") == ref
+
+
+def test_decode_half_compiles_whole_with_the_kernels(tiny_mixtral):
+    """Where decode steps are not captured (``enforce_eager``; an attention worker), ``compile=True``
+    compiles the attention half of decode steps with fullgraph=True over the custom ops (paged
+    attention, the norms, RoPE with the cache write): float32 greedy tokens as transformers', no
+    graph break, and decode steps whose batch shrinks from 4 to 1 (sequences finishing at different
+    steps) served by two graphs (dynamo specializes batch 1: the second)."""
+    from torch._dynamo.utils import counters
+
+    ps = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 8, 20, 30)]
+    ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 40), params)]
+    torch._dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns and runs eager
+        with LLM(str(tiny_mixtral), num_kv_blocks=64, backend="triton", compile=True, enforce_eager=True) as llm:
+            assert llm.engine.engine.runner.captured is None
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -9,10 +9,10 @@ model that wrote it. For each context (prompt length) and batch:
 * transformers: one greedy ``generate`` of 1 + ``steps`` tokens; a streamer stamps the time each
   step's tokens reach the host (transformers syncs there every step anyway);
 * afdserve colocated, each variant (eager; on a CUDA device the triton attention backend eager and in
-  CUDA graphs, ``captured`` saying whether its decode steps were; ``compile=True`` on request): the engine stepped one ``get_outputs`` at a time, ``steps`` decode
-  steps of the whole batch timed, ``profile_steps`` more under ``torch.profiler`` (GPU busy time,
-  kernels, launches and host syncs per step: ``afdserve.bench.gpu_trace``), ``routing_steps`` more
-  reading which experts each layer ran;
+  CUDA graphs, ``captured`` saying whether its decode steps were; ``compile=True`` on request): the
+  engine stepped one ``get_outputs`` at a time, ``steps`` decode steps of the whole batch timed,
+  ``profile_steps`` more under ``torch.profiler`` (GPU busy time, kernels, launches and host syncs
+  per step: ``afdserve.bench.gpu_trace``), ``routing_steps`` more reading which experts each layer ran;
 * the bound: the bytes a decode step reads -- attention, norms and router weights, the experts it
   touches (measured: the distinct experts afdserve's routing steps ran per layer; else the
   expectation under uniform routing), final norm and LM head, embedding rows, and the KV of every

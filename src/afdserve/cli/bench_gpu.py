@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    "GPU busy fraction, launches and host syncs per step",
                        description="Random-weight 4-layer checkpoints with Qwen3-30B-A3B and Mixtral-8x7B layer "
                                    "shapes, built on the device; per context and batch: decode step time and tok/s "
-                                   "of afdserve colocated (eager; on CUDA also the triton attention eager and in CUDA graphs) "
+                                   "of afdserve colocated (eager; on CUDA also triton attention, eager and in graphs) "
                                    "and of transformers, the step's memory-bandwidth bound (weights and KV read over "
                                    "a copy rate measured here), and from torch.profiler the GPU's busy fraction, "
                                    "kernels, launches and host syncs per step. Sized for 8 minutes of an H200 "
