@@ -5,7 +5,6 @@ recompilation while the batch changes within a size; the padded step's tokens, e
 load window as the eager step's; a capture that fails or whose outputs differ from the eager step's
 is refused. On a GPU: CUDA graphs against transformers."""
 
-import random
 import warnings
 from types import SimpleNamespace
 
@@ -21,12 +20,8 @@ from afdserve.engine import builder
 from afdserve.engine.padded import PaddedDecode, batch_sizes
 from afdserve.errors import ConfigError
 from afdserve.kvcache.cache import KVCache
-from tiny_models import hf_greedy, make_gpt_oss_checkpoint
+from tiny_models import compiled_generate, hf_greedy, make_gpt_oss_checkpoint, prompts
 
-
-def prompts(lens=(3, 9, 17, 30), seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lens]
 
 
 def test_padded_batch_sizes():
@@ -69,22 +64,21 @@ def test_decode_step_compiles_whole_per_padded_size(tiny_mixtral, monkeypatch):
     layer with the Triton kernels as custom ops and the torch MoE, the head) compiled with
     fullgraph=True, dynamic=False once per padded size and variant at start-up; 100 decode steps
     whose batch shrinks from 4 to 1 (3 runs at size 4) served by those graphs alone."""
-    from torch._dynamo.utils import counters
-
     ps = prompts()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (100, 12, 45, 70)]
     ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 100), params)]
-    torch._dynamo.reset()
-    counters.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed or refused capture warns and runs eager
-        with LLM(str(tiny_mixtral), num_kv_blocks=64, backend="triton", compile=True, max_num_seqs=4) as llm:
-            assert llm.engine.engine.runner.captured is not None
-            seen = _spy_sizes(monkeypatch)
-            outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
-    assert [list(o.outputs[0].token_ids) for o in outs] == ref
-    assert counters["stats"]["unique_graphs"] == 2 * len(batch_sizes(4)), dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    spied: list[list[tuple[int, int]]] = []
+
+    def captured(llm):
+        assert llm.engine.engine.runner.captured is not None
+        spied.append(_spy_sizes(monkeypatch))  # installed after start-up: the served steps only
+
+    got, counters = compiled_generate(tiny_mixtral, ps, params, captured, num_kv_blocks=64, backend="triton",
+                                      compile=True, max_num_seqs=4)
+    assert got == ref
+    assert counters["stats"]["unique_graphs"] == 2 * len(batch_sizes(4)), counters["stats"]
+    assert not counters.get("graph_break"), counters.get("graph_break")
+    seen = spied[0]
     assert {(3, 4), (4, 4), (2, 2), (1, 1)} <= set(seen) and len(seen) >= 95, sorted(set(seen))
 
 

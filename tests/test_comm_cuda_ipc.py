@@ -14,6 +14,7 @@ and a dead peer on either side.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -264,13 +265,28 @@ def _child(scenario: str, host: str, port: int, q) -> None:
         q.put(("error", traceback.format_exc()))
 
 
+@contextlib.contextmanager
 def _run(scenario: str):
+    """The child of ``scenario`` (``_child``) started, with its store and queue; killed on the way
+    out if it is still alive."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(scenario, store.host, store.port, q), daemon=True)
     p.start()
-    return store, p, q
+    try:
+        yield store, p, q
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def _close(store, p, comm) -> None:
+    """The orderly end: the child is told to close and exits cleanly, then ``comm`` closes."""
+    store.set("closed", "1")
+    p.join(60)
+    assert p.exitcode == 0
+    comm.close()
 
 
 def _get(q, what: str, timeout: float = 120.0):
@@ -281,8 +297,7 @@ def _get(q, what: str, timeout: float = 120.0):
 
 @needs_cuda
 def test_many_messages_reuse_the_device_slots():
-    store, p, q = _run("many")
-    try:
+    with _run("many") as (store, p, q):
         b = Communicator("b", store, _config(), group="many").connect(recv_from=["a"])
         assert b.transport("a", "recv") == "cuda_ipc" and _get(q, "connected") == "cuda_ipc"
         dev = torch.device("cuda:0")
@@ -294,13 +309,7 @@ def test_many_messages_reuse_the_device_slots():
                 assert [(t.dtype, t.shape) for t in m.tensors] == [(t.dtype, t.shape) for t in want]
                 assert all(torch.equal(g, w) for g, w in zip(m.tensors, want)), k
         _get(q, "done")
-        store.set("closed", "1")
-        p.join(60)
-        assert p.exitcode == 0
-        b.close()
-    finally:
-        if p.is_alive():
-            p.kill()
+        _close(store, p, b)
 
 
 @needs_cuda
@@ -310,8 +319,7 @@ def test_ordering_on_the_gpu_without_host_sync():
     after a long kernel on the receiver and 3j+2 is sent at once (only the freed event keeps its copy
     into the one slot after that read). Neither side synced: its stream was still running the long
     kernel when send / release returned."""
-    store, p, q = _run("order")
-    try:
+    with _run("order") as (store, p, q):
         b = Communicator("b", store, _config(num_slots=1), group="order").connect(recv_from=["a"])
         assert _get(q, "connected") == "cuda_ipc"
         dev = torch.device("cuda:0")
@@ -329,19 +337,12 @@ def test_ordering_on_the_gpu_without_host_sync():
         assert [g.unique().tolist() for g in got] == [[float(k)] for k in range(ORDERED)]
         sender_busy = _get(q, "done")
         assert all(sender_busy) and all(busy) and len(busy) == ORDERED // 3, (sender_busy, busy)
-        store.set("closed", "1")
-        p.join(60)
-        assert p.exitcode == 0
-        b.close()
-    finally:
-        if p.is_alive():
-            p.kill()
+        _close(store, p, b)
 
 
 @needs_cuda
 def test_a_dead_sender_is_noticed_after_its_messages():
-    store, p, q = _run("dead_sender")
-    try:
+    with _run("dead_sender") as (store, p, q):
         b = Communicator("b", store, _config(), group="dead_sender").connect(recv_from=["a"])
         assert _get(q, "connected") == "cuda_ipc"
         dev = torch.device("cuda:0")
@@ -353,15 +354,11 @@ def test_a_dead_sender_is_noticed_after_its_messages():
             b.recv("a", timeout=30)
         assert torch.ones(4, device=dev).sum().item() == 4  # this process's CUDA is unharmed
         b.close()
-    finally:
-        if p.is_alive():
-            p.kill()
 
 
 @needs_cuda
 def test_a_dead_receiver_fails_the_sender_not_its_gpu():
-    store, p, q = _run("dead_receiver")
-    try:
+    with _run("dead_receiver") as (store, p, q):
         a = Communicator("a", store, _config(num_slots=2), group="dead_receiver").connect(send_to=["b"])
         assert a.transport("b") == "cuda_ipc" and _get(q, "connected") == "cuda_ipc"
         dev = torch.device("cuda:0")
@@ -372,6 +369,3 @@ def test_a_dead_receiver_fails_the_sender_not_its_gpu():
             a.send("b", _message(2, dev), timeout=30)       # nothing is copied into the dead process's memory
         assert torch.ones(4, device=dev).sum().item() == 4
         a.close()
-    finally:
-        if p.is_alive():
-            p.kill()

@@ -4,7 +4,6 @@ YaRN — colocated and disaggregated (both gate placements); MXFP4 experts dequa
 other quantizations refused."""
 
 import json
-import random
 
 import pytest
 import torch
@@ -16,14 +15,10 @@ from afdserve.backends.base import Activation
 from afdserve.backends.pytorch.moe import GroupedExperts
 from afdserve.model.loader import CheckpointReader
 from afdserve.model.model import ExpertModel, regroup_experts
-from tiny_models import hf_greedy, make_gpt_oss_checkpoint, mxfp4_twins
+from tiny_models import hf_greedy, make_gpt_oss_checkpoint, mxfp4_twins, prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
-
-def prompts(lens=(3, 9, 17, 30), seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lens]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Our engine against the transformers reference on tiny random checkpoints of each architecture."""
 
-import random
 
 import numpy as np
 import pytest
@@ -11,16 +10,12 @@ from afdserve.engine.builder import build_colocated
 from afdserve.config import EngineConfig
 from afdserve.backends.step import StepLayout
 from afdserve.engine.runner import ModelInput
-from tiny_models import hf_greedy
+from tiny_models import hf_greedy, prompts
 
 pytestmark = pytest.mark.torch_backend  # run on the torch backends too (scripts/test.sh)
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
-
-def prompts(n_lens=(3, 9, 17, 30), seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in n_lens]
 
 
 def test_greedy_matches_transformers(tiny_model):

@@ -1,5 +1,6 @@
 """The persistent sampling state (rows kept across steps, counts advanced on the device) against the
-from-scratch computation, and the packed structured-output mask against the bool mask."""
+from-scratch computation, and the packed structured-output mask against the bool mask. Preempted
+sequences with penalties in a running engine: tests/test_scheduling.py."""
 
 import random
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from afdserve import LLM, SamplingParams
+from afdserve import SamplingParams
 from afdserve.engine.sampler import SamplingInputs, sample, sample_rows
 from afdserve.engine.sampling_state import SamplingState
 from afdserve.engine.structured_output import TokenBitmask, XGrammars
@@ -160,29 +161,3 @@ def test_packed_mask_with_a_tokenizer_smaller_than_the_model(tiny_mixtral):
     assert torch.equal(masked, logits.masked_fill(~allowed, float("-inf")))
     assert not allowed[1:, 259:].any() and allowed[1].sum() > 20
 
-
-def test_preempted_sequences_with_penalties_rejoin_with_their_counts(tiny_mixtral):
-    """Under KV pressure sequences are preempted and recomputed; with penalties (counted from the
-    output) their tokens are those of each request alone."""
-    rng = random.Random(5)
-    ps = [[rng.randrange(3, 256) for _ in range(rng.randrange(2, 40))] for _ in range(10)]
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.5,
-                             repetition_penalty=1.3),
-              SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, presence_penalty=1.0)]
-    with LLM(str(tiny_mixtral), num_kv_blocks=64) as llm:
-        alone = [llm.generate([{"prompt_token_ids": p}], params[i % 2])[0].outputs[0].token_ids
-                 for i, p in enumerate(ps)]
-    llm = LLM(str(tiny_mixtral), num_kv_blocks=12, block_size=16, max_model_len=128)
-    preempted = []
-    orig = llm.engine.engine.scheduler._preempt
-
-    def spy(seq, batch):
-        preempted.append(seq.request_id)
-        orig(seq, batch)
-
-    llm.engine.engine.scheduler._preempt = spy
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], [params[i % 2] for i in range(len(ps))])
-    assert [o.outputs[0].token_ids for o in outs] == alone
-    assert preempted, "the test should exercise preemption"
-    assert len(llm.engine.engine.sampling) == 0  # every row freed
-    llm.shutdown()

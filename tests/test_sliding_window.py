@@ -9,7 +9,7 @@ import torch
 from afdserve import LLM, SamplingParams
 from afdserve.kvcache.block_manager import BlockManager
 from afdserve.model.config import ModelConfig
-from tiny_models import hf_greedy, make_checkpoint
+from tiny_models import hf_greedy, make_checkpoint, prompts
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 WINDOWED = {  # each family's way of asking for a window (window 8 << prompt + output)
@@ -18,10 +18,6 @@ WINDOWED = {  # each family's way of asking for a window (window 8 << prompt + o
     "qwen3_moe": dict(use_sliding_window=True, sliding_window=8),
 }
 
-
-def prompts(lens=(3, 9, 17, 30), seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lens]
 
 
 @pytest.fixture(scope="module", params=sorted(WINDOWED))

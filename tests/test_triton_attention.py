@@ -9,7 +9,6 @@ captured (``enforce_eager``, or an attention worker). The captured decode step c
 tests/test_captured_decode.py."""
 
 import random
-import warnings
 
 import numpy as np
 import pytest
@@ -21,15 +20,11 @@ from afdserve.backends.pytorch.attention import TorchAttention
 from afdserve.backends.pytorch.norm import TorchNorm
 from afdserve.backends.step import StepBuffers, StepLayout
 from afdserve.errors import ConfigError
-from tiny_models import hf_greedy, make_gpt_oss_checkpoint
+from tiny_models import compiled_generate, hf_greedy, make_gpt_oss_checkpoint, prompts
 
 NEW = 16
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 
-
-def prompts(lens=(3, 9, 17, 30), seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lens]
 
 
 def _batch(seed: int, block_size: int, window: int):
@@ -156,18 +151,15 @@ def test_decode_half_compiles_whole_with_the_kernels(tiny_mixtral):
     attention, the norms, RoPE with the cache write): float32 greedy tokens as transformers', no
     graph break, and decode steps whose batch shrinks from 4 to 1 (sequences finishing at different
     steps) served by two graphs (dynamo specializes batch 1: the second)."""
-    from torch._dynamo.utils import counters
-
     ps = prompts()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 8, 20, 30)]
     ref = [r[:p.max_tokens] for r, p in zip(hf_greedy(tiny_mixtral, ps, 40), params)]
-    torch._dynamo.reset()
-    counters.clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed compilation warns and runs eager
-        with LLM(str(tiny_mixtral), num_kv_blocks=64, backend="triton", compile=True, enforce_eager=True) as llm:
-            assert llm.engine.engine.runner.captured is None
-            outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
-    assert [list(o.outputs[0].token_ids) for o in outs] == ref
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+
+    def uncaptured(llm):
+        assert llm.engine.engine.runner.captured is None
+
+    got, counters = compiled_generate(tiny_mixtral, ps, params, uncaptured, num_kv_blocks=64, backend="triton",
+                                      compile=True, enforce_eager=True)
+    assert got == ref
+    assert counters["stats"]["unique_graphs"] == 2, counters["stats"]
+    assert not counters.get("graph_break"), counters.get("graph_break")
