@@ -190,7 +190,8 @@ def revision(tree: Path) -> str:
     return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", cwd=tree) else "")
 
 
-KEYS = ("tok_s", "decode_tok_s", "sample_ms")
+# the measures of a call, with their table columns' widths (base, new) and decimals
+KEYS = {"tok_s": (10, 9, 1), "decode_tok_s": (10, 9, 1), "sample_ms": (11, 10, 2)}
 
 
 def deterministic(params: dict) -> bool:
@@ -249,10 +250,9 @@ def print_table(rows: list[dict]) -> None:
           f"{'base dec/s':>10} {'new dec/s':>9} {'new/base [min, max]':>21} | "
           f"{'base smp ms':>11} {'new smp ms':>10} {'new/base [min, max]':>21} | identical")
     for r in rows:
-        cells = [f"{r['base_' + k]:>{11 if k == 'sample_ms' else 10}.{2 if k == 'sample_ms' else 1}f} "
-                 f"{r['new_' + k]:>{10 if k == 'sample_ms' else 9}.{2 if k == 'sample_ms' else 1}f} "
+        cells = [f"{r['base_' + k]:>{wb}.{d}f} {r['new_' + k]:>{wn}.{d}f} "
                  f"{r['ratio_' + k]:>6.3f} [{r['ratio_' + k + '_min']:.3f}, {r['ratio_' + k + '_max']:.3f}]"
-                 for k in KEYS]
+                 for k, (wb, wn, d) in KEYS.items()]
         same = {True: "yes", False: "NO", None: "-"}[r["identical"]]
         print(f"{r['deployment']:>10} {r['batch']:>5} | {cells[0]} | {cells[1]} | {cells[2]} | {same}")
 

@@ -34,7 +34,7 @@ from afdserve.comm import cuda_ipc
 from afdserve.comm import rendezvous as rdv
 from afdserve.comm.channel import RecvChannel, SendChannel
 from afdserve.comm import futex
-from afdserve.comm.config import CommConfig
+from afdserve.comm.config import TRANSPORTS, CommConfig
 from afdserve.comm.doorbell import Doorbell
 from afdserve.comm.errors import ConnectError
 from afdserve.comm.shm import Segment
@@ -71,7 +71,7 @@ class Links:
 def preferred_transport(config: CommConfig) -> str:
     if config.transport == "auto":
         env = os.environ.get("AFD_COMM_TRANSPORT", "auto")
-        return env if env in ("auto", "shm", "tcp", "torch", "cuda_ipc") else "auto"
+        return env if env in TRANSPORTS else "auto"
     return config.transport
 
 

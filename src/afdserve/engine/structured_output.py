@@ -243,8 +243,9 @@ def validate_structured_outputs(spec: StructuredOutputsParams, tokenizer: Tokeni
 class TokenBitmask:
     """The structured-output mask of a batch, packed: ``bits`` int32 [S, ceil(vocab / 32)] on the
     host (bit t % 32 of word t // 32: token t allowed), as xgrammar fills it, for the batch's
-    ``rows`` with a grammar over ``vocab`` tokens (the model's). Applied on the logits' device, in
-    place, by xgrammar's kernel (CPU or Triton): logits past ``vocab`` are never allowed."""
+    ``rows`` with a grammar over ``vocab`` tokens (the grammar's: the tokenizer's, at most the model's).
+    Applied on the logits' device, in place, by xgrammar's kernel (CPU or Triton): logits past
+    ``vocab`` are never allowed."""
 
     bits: torch.Tensor
     rows: list[int]
